@@ -1,0 +1,283 @@
+"""Model configuration: one frozen dataclass, field names follow Hugging Face's DeepseekV3Config.
+
+Keeping Hugging Face's names means a `config.json` maps onto `ModelConfig` field by field
+(see `models.hf`), and a reader who knows the HF model knows this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+MOE_IMPLS = ("sorted", "ragged", "dense")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+SCORING_FUNCS = ("sigmoid", "softmax")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or inconsistent. The message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters as in HF's `rope_scaling` / `rope_parameters` for DeepseekV3 (Peng et al. 2023)."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True  # floor/ceil the YaRN correction range, as HF does by default
+    attention_factor: float | None = None  # cos/sin scale; None: derived from mscale (HF rule)
+    type: str = "yarn"
+
+    def __post_init__(self):
+        if self.type != "yarn":
+            raise ConfigError(f"rope_scaling.type: only 'yarn' is supported, got {self.type!r}")
+        if self.factor < 1.0:
+            raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
+        if self.beta_fast <= self.beta_slow:
+            raise ConfigError(
+                f"rope_scaling.beta_fast ({self.beta_fast}) must exceed beta_slow ({self.beta_slow})"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A DeepSeek-V3 / Kimi-K2-shaped MoE transformer with MLA attention."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128  # dense SwiGLU width (first_k_dense_replace layers)
+    moe_intermediate_size: int = 32  # width of one routed / shared expert
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    # MLA
+    q_lora_rank: int | None = None  # None: direct q projection
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    # MoE
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    first_k_dense_replace: int = 1
+    # position / norms / head
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    num_nextn_predict_layers: int = 0  # DeepSeek-V3 multi-token-prediction modules
+    # execution (not part of the HF format)
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights)
+    moe_impl: str = "sorted"  # "sorted": sort + capacity-bucketed einsum (fast, dropless);
+    # "ragged": jax.lax.ragged_dot; "dense": every expert on every token (oracle)
+    moe_capacity_factors: tuple[float, ...] = (1.25, 2.0)
+    scan_layers: bool = True
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+            "n_group", "topk_group", "max_position_embeddings",
+        ):
+            positive(name)
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ConfigError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                f"({self.n_routed_experts})"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(
+                f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
+        experts_per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and experts_per_group < 2:
+            raise ConfigError("n_group > 1 needs at least 2 experts per group (group score = top-2 sum)")
+        if self.topk_group * experts_per_group < self.num_experts_per_tok:
+            raise ConfigError(
+                f"topk_group ({self.topk_group}) groups of {experts_per_group} experts cannot hold "
+                f"num_experts_per_tok ({self.num_experts_per_tok}) experts"
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ConfigError(
+                f"first_k_dense_replace ({self.first_k_dense_replace}) must be in "
+                f"[0, num_hidden_layers={self.num_hidden_layers}]"
+            )
+        if self.n_shared_experts < 0:
+            raise ConfigError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.num_nextn_predict_layers < 0:
+            raise ConfigError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ConfigError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ConfigError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if not self.moe_capacity_factors or any(f <= 0 for f in self.moe_capacity_factors):
+            raise ConfigError(f"moe_capacity_factors must be positive, got {self.moe_capacity_factors}")
+        if list(self.moe_capacity_factors) != sorted(self.moe_capacity_factors):
+            raise ConfigError(f"moe_capacity_factors must be increasing, got {self.moe_capacity_factors}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+
+    # derived quantities -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(d_qk), times YaRN's mscale(factor, mscale_all_dim)^2 (DeepSeek-V2 sec. 2.1, HF)."""
+        scale = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN attention temperature: 0.1 * mscale * ln(scale) + 1 for scale > 1 (Peng et al. 2023)."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+# Presets ------------------------------------------------------------------------------------------
+
+def _kimi_k25() -> ModelConfig:
+    # Kimi K2.5 text backbone (`text_config` of the released `kimi_k25` config.json).
+    # rope_theta and rms_norm_eps: public fixtures disagree (theta 50000 vs 10000, eps 1e-5 vs 1e-6).
+    # We use theta=50000 (Kimi K2's documented value, and the pinned-revision K2.6 check) and
+    # eps=1e-5 (same pinned check); YaRN factor 64 from 4096 to 262144 positions, beta 32/1,
+    # mscale = mscale_all_dim = 1. Experts ship INT4 in the release; we model them in bf16.
+    return ModelConfig(
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        routed_scaling_factor=2.827, norm_topk_prob=True, scoring_func="sigmoid",
+        first_k_dense_replace=1, rope_theta=50000.0,
+        rope_scaling=RopeScaling(factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=262144, rms_norm_eps=1e-5, num_nextn_predict_layers=0,
+        dtype="bfloat16", param_dtype="float32", remat_policy="full",
+    )
+
+
+def _deepseek_v3() -> ModelConfig:
+    # deepseek-ai/DeepSeek-V3 config.json.
+    return ModelConfig(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
+        first_k_dense_replace=3, rope_theta=10000.0,
+        rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=163840, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
+        dtype="bfloat16", param_dtype="float32", remat_policy="full",
+    )
+
+
+def _tiny() -> ModelConfig:
+    # For unit tests: every feature on (q LoRA, groups, YaRN, MTP), compiles in seconds.
+    return ModelConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, rope_theta=10000.0,
+        rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=64, mscale=1.0,
+                                 mscale_all_dim=1.0),
+        max_position_embeddings=256, num_nextn_predict_layers=1,
+    )
+
+
+def _small() -> ModelConfig:
+    # CPU demos: about 30M parameters.
+    return ModelConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, q_lora_rank=None, kv_lora_rank=128,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, rope_theta=10000.0,
+        max_position_embeddings=4096, num_nextn_predict_layers=1,
+    )
+
+
+def _medium() -> ModelConfig:
+    # One GPU: a few hundred million parameters.
+    return ModelConfig(
+        vocab_size=32768, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=512,
+        num_hidden_layers=12, num_attention_heads=16, q_lora_rank=384, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, rope_theta=50000.0,
+        max_position_embeddings=32768, num_nextn_predict_layers=1, dtype="bfloat16",
+    )
+
+
+PRESETS = {
+    "kimi-k2.5": _kimi_k25,
+    "deepseek-v3": _deepseek_v3,
+    "tiny": _tiny,
+    "small": _small,
+    "medium": _medium,
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+__all__ = ["ConfigError", "ModelConfig", "RopeScaling", "PRESETS", "preset", "yarn_mscale"]

@@ -1,0 +1,174 @@
+"""The DeepSeek-V3 / Kimi-K2 decoder: embeddings, dense then MoE layers (each a scanned stack), final
+norm, LM head, and optional multi-token-prediction modules (DeepSeek-V3 sec. 2.2).
+
+The module is a container. `forward(graphdef, state, ...)` is the pure function that jitted training and
+sampling code calls; `Transformer.__call__` is the same thing for interactive use.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.attention import MLAttention, attention_mask
+from models.config import ModelConfig
+from models.layers import MLP, RMSNorm, param
+from models.logical import constrain
+from models.moe import MoE
+from models.rope import rope_tables
+
+
+class ModelOutput(NamedTuple):
+    logits: jnp.ndarray  # [B, S, V] float32
+    hidden: jnp.ndarray  # [B, S, d] final hidden state before the output norm
+    expert_ids: jnp.ndarray | None  # [L_moe, B, S, k] selected experts per MoE layer (router replay)
+    expert_counts: jnp.ndarray | None  # [L_moe, E] tokens per expert per MoE layer (bias update)
+    router_logits: jnp.ndarray | None  # [L_moe, B, S, E] float32 (z-loss, diagnostics)
+    mtp_logits: jnp.ndarray | None  # [D, B, S, V]: depth j predicts token t + 1 + j from position t
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + Attn(norm(x)), then + FFN(norm(.)), FFN dense SwiGLU or MoE."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, stack: int | None = None):
+        self.is_moe = moe
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs, stack)
+        self.self_attn = MLAttention(cfg, rngs, stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs, stack)
+        self.mlp = MoE(cfg, rngs, stack) if moe else MLP(cfg, cfg.intermediate_size, rngs, stack)
+
+    def __call__(self, x, cos, sin, mask, replay_ids=None):
+        h = x + checkpoint_name(self.self_attn(self.input_layernorm(x), cos, sin, mask), "attn_out")
+        h = constrain(h, ("batch", "seq", "embed"))
+        if self.is_moe:
+            ffn, routing = self.mlp(self.post_attention_layernorm(h), replay_ids)
+        else:
+            ffn, routing = self.mlp(self.post_attention_layernorm(h)), None
+        out = constrain(h + checkpoint_name(ffn, "ffn_out"), ("batch", "seq", "embed"))
+        return out, routing
+
+
+class MTPModule(nnx.Module):
+    """h'_j = Block(W [RMSNorm(Emb(t_{i+j})); RMSNorm(h_{j-1})]); embedding and head shared with the trunk."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: int):
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg, rngs, stack)
+        self.hnorm = RMSNorm(d, cfg, rngs, stack)
+        self.eh_proj = param(rngs, (2 * d, d), ("mtp_in", "embed"), cfg=cfg, stack=stack)
+        self.block = DecoderLayer(cfg, True, rngs, stack)
+        self.norm = RMSNorm(d, cfg, rngs, stack)
+
+
+_REMAT = {
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "dots": lambda: jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attn_out": lambda: jax.checkpoint_policies.save_only_these_names("attn_out", "ffn_out"),
+}
+
+
+def _run_stack(cfg: ModelConfig, stack: nnx.Module, num: int, x, cos, sin, mask, replay_ids):
+    """Apply `num` stacked layers (leading axis 'layers' on every leaf) in order."""
+    graphdef, state = nnx.split(stack)
+
+    def body(h, xs):
+        layer_state, replay = xs
+        h, routing = nnx.merge(graphdef, layer_state)(h, cos, sin, mask, replay)
+        if routing is None:
+            return h, None
+        return h, (routing.expert_ids, routing.counts, routing.logits)
+
+    if cfg.remat_policy != "none":
+        body = jax.checkpoint(body, policy=_REMAT[cfg.remat_policy](), prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+        return jax.lax.scan(body, x, (state, replay_ids))
+    outs = []
+    for i in range(num):
+        layer = jax.tree.map(lambda a, i=i: a[i], state)
+        x, out = body(x, (layer, None if replay_ids is None else replay_ids[i]))
+        outs.append(out)
+    stacked = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    return x, stacked
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = param(rngs, (v, d), ("vocab", "embed"), cfg=cfg)
+        self.dense_layers = DecoderLayer(cfg, False, rngs, cfg.num_dense_layers) if cfg.num_dense_layers else None
+        self.moe_layers = DecoderLayer(cfg, True, rngs, cfg.num_moe_layers) if cfg.num_moe_layers else None
+        self.norm = RMSNorm(d, cfg, rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), cfg=cfg)
+        depth = cfg.num_nextn_predict_layers
+        self.mtp = MTPModule(cfg, rngs, depth) if depth else None
+
+    def logits(self, h, norm: RMSNorm | None = None):
+        """Output head: the trunk's final norm, or an MTP module's own norm, then the shared LM head."""
+        h = (self.norm if norm is None else norm)(h)
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        out = jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return constrain(out, ("batch", "seq", "vocab"))
+
+    def embed(self, ids):
+        x = jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return constrain(x, ("batch", "seq", "embed"))
+
+    def __call__(self, input_ids, positions=None, segment_ids=None, replay_ids=None,
+                 return_mtp: bool = True) -> ModelOutput:
+        """input_ids [B, S]; positions [B, S] (default 0..S-1; restart per document when packing);
+        segment_ids [B, S] (attention never crosses documents); replay_ids [L_moe, B, S, k]."""
+        cfg = self.cfg
+        batch, seq = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        cos, sin = rope_tables(cfg, positions)
+        mask = attention_mask(segment_ids, batch, seq)
+        x = self.embed(input_ids)
+        if self.dense_layers is not None:
+            x, _ = _run_stack(cfg, self.dense_layers, cfg.num_dense_layers, x, cos, sin, mask, None)
+        expert_ids = counts = router_logits = None
+        if self.moe_layers is not None:
+            if replay_ids is not None and replay_ids.shape[0] != cfg.num_moe_layers:
+                raise ValueError(f"replay_ids has {replay_ids.shape[0]} layers, model has {cfg.num_moe_layers}")
+            x, (expert_ids, counts, router_logits) = _run_stack(
+                cfg, self.moe_layers, cfg.num_moe_layers, x, cos, sin, mask, replay_ids)
+            expert_ids = expert_ids.reshape(cfg.num_moe_layers, batch, seq, -1)
+            router_logits = router_logits.reshape(cfg.num_moe_layers, batch, seq, -1)
+        mtp_logits = self._mtp(input_ids, x, cos, sin, mask) if (self.mtp is not None and return_mtp) else None
+        return ModelOutput(self.logits(x), x, expert_ids, counts, router_logits, mtp_logits)
+
+    def _mtp(self, input_ids, h, cos, sin, mask):
+        graphdef, state = nnx.split(self.mtp)
+        seq = input_ids.shape[1]
+        outs = []
+        for j in range(self.cfg.num_nextn_predict_layers):
+            module = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
+            # position t combines h_{j}(t) with the embedding of token t + j + 1; the tail has none
+            shifted = jnp.where(jnp.arange(seq) < seq - j - 1, jnp.roll(input_ids, -(j + 1), axis=1), 0)
+            e = module.enorm(self.embed(shifted))
+            x = jnp.concatenate([e, module.hnorm(h)], axis=-1)
+            x = jnp.einsum("bsi,io->bso", x, module.eh_proj[...].astype(x.dtype))
+            h, _ = module.block(x, cos, sin, mask)
+            outs.append(self.logits(h, module.norm))
+        return jnp.stack(outs)
+
+
+def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, nnx.Rngs(params=seed))
+
+
+def abstract_state(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Shapes, dtypes and logical axes of every variable, without allocating (jax.eval_shape)."""
+    model = nnx.eval_shape(lambda: init(cfg))
+    return nnx.split(model)
+
+
+def forward(graphdef: nnx.GraphDef, state: nnx.State, input_ids, **kwargs) -> ModelOutput:
+    """Pure function of the split model state; this is what jitted code calls."""
+    return nnx.merge(graphdef, state)(input_ids, **kwargs)
