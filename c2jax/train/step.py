@@ -1,0 +1,60 @@
+"""A pure, jitted next-token training step over the split model state.
+
+`TrainState` holds trainable parameters, non-trainable model state (router biases) and the optimizer
+state explicitly, so the optimizer can never touch the router bias (it only sees `params`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.transformer import Transformer, forward
+
+
+class TrainState(NamedTuple):
+    step: jnp.ndarray
+    params: nnx.State  # nnx.Param leaves only
+    model_state: nnx.State  # everything else (RouterBias)
+    opt_state: optax.OptState
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray | None = None):
+    """Mean over unmasked tokens of -log softmax(logits)[label]; returns (loss, token count)."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    nll = logz - picked
+    mask = jnp.ones_like(nll) if mask is None else mask.astype(nll.dtype)
+    count = jnp.maximum(mask.sum(), 1.0)
+    return (nll * mask).sum() / count, count
+
+
+def init_train_state(model: Transformer, tx: optax.GradientTransformation):
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, model_state, tx.init(params))
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation):
+    """train_step(state, tokens [B, S+1]) -> (state, metrics): next-token CE on tokens[:, 1:]."""
+
+    def loss_fn(params, model_state, tokens):
+        out = forward(graphdef, nnx.merge_state(params, model_state), tokens[:, :-1], return_mtp=False)
+        loss, _ = cross_entropy(out.logits, tokens[:, 1:])
+        return loss, out.expert_counts
+
+    @jax.jit
+    def train_step(state: TrainState, tokens):
+        (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.model_state, tokens)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        if counts is not None:
+            load = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1)
+            metrics["max_expert_load"] = load.max() * counts.shape[-1]  # 1.0 = perfectly balanced
+        return TrainState(state.step + 1, params, state.model_state, opt_state), metrics
+
+    return train_step
