@@ -41,9 +41,10 @@ class RopeScaling:
             raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
         if self.original_max_position_embeddings <= 0:
             raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
-        if self.beta_fast <= self.beta_slow:
+        # beta_fast == beta_slow is legal (Kimi K2 ships 1.0/1.0): the ramp degenerates to a step, as in HF
+        if self.beta_fast < self.beta_slow:
             raise ConfigError(
-                f"rope_scaling.beta_fast ({self.beta_fast}) must exceed beta_slow ({self.beta_slow})"
+                f"rope_scaling.beta_fast ({self.beta_fast}) must be >= beta_slow ({self.beta_slow})"
             )
 
 

@@ -144,9 +144,14 @@ class Transformer(nnx.Module):
         return ModelOutput(self.logits(x), x, expert_ids, counts, router_logits, mtp_logits)
 
     def _mtp(self, input_ids, h, cos, sin, mask):
+        """h: the trunk's final hidden state before its output norm. Module j is fed the representation the
+        head sees: the trunk's output after the final norm (j = 0), module j-1's output after its own norm
+        (j > 0). This is what transformers' MtpModel and Megatron-LM do (and vLLM/SGLang for j = 0), i.e. the
+        semantics the released DeepSeek-V3 MTP weights are served with."""
         graphdef, state = nnx.split(self.mtp)
         seq = input_ids.shape[1]
         outs = []
+        h = self.norm(h)
         for j in range(self.cfg.num_nextn_predict_layers):
             module = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
             # position t combines h_{j}(t) with the embedding of token t + j + 1; the tail has none
@@ -154,8 +159,9 @@ class Transformer(nnx.Module):
             e = module.enorm(self.embed(shifted))
             x = jnp.concatenate([e, module.hnorm(h)], axis=-1)
             x = jnp.einsum("bsi,io->bso", x, module.eh_proj[...].astype(x.dtype))
-            h, _ = module.block(x, cos, sin, mask)
-            outs.append(self.logits(h, module.norm))
+            out, _ = module.block(x, cos, sin, mask)
+            outs.append(self.logits(out, module.norm))
+            h = module.norm(out)
         return jnp.stack(outs)
 
 

@@ -38,8 +38,22 @@ def init_train_state(model: Transformer, tx: optax.GradientTransformation):
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, model_state, tx.init(params))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation):
-    """train_step(state, tokens [B, S+1]) -> (state, metrics): next-token CE on tokens[:, 1:]."""
+def update_router_bias(model_state: nnx.State, counts: jnp.ndarray, rate: float) -> nnx.State:
+    """Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2): b_e += rate * sign(mean load - load_e).
+
+    `counts` [L_moe, E] are the global per-expert token counts of this step (a jnp reduction over the
+    whole batch, so under sharding they are already summed across devices).
+    """
+    bias = model_state["moe_layers"]["mlp"]["e_score_correction_bias"]
+    load = counts.astype(jnp.float32)
+    step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+    bias.set_value(bias.get_value() + step)
+    return model_state
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate: float = 0.0):
+    """train_step(state, tokens [B, S+1]) -> (state, metrics): next-token CE on tokens[:, 1:], then
+    (if router_bias_rate > 0) the sign-rule router-bias update, outside the optimizer."""
 
     def loss_fn(params, model_state, tokens):
         out = forward(graphdef, nnx.merge_state(params, model_state), tokens[:, :-1], return_mtp=False)
@@ -52,9 +66,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        model_state = state.model_state
+        if counts is not None and router_bias_rate > 0:
+            model_state = update_router_bias(jax.tree.map(lambda x: x, model_state), counts, router_bias_rate)
         if counts is not None:
             load = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1)
             metrics["max_expert_load"] = load.max() * counts.shape[-1]  # 1.0 = perfectly balanced
-        return TrainState(state.step + 1, params, state.model_state, opt_state), metrics
+        return TrainState(state.step + 1, params, model_state, opt_state), metrics
 
     return train_step
