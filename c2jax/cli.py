@@ -1,0 +1,42 @@
+"""The `c2jax` command line.
+
+Each subcommand is a module with `add_parser(subparsers)`, returning its argparse parser, and
+`run(args)`, returning an exit status. Registering one is one line in COMMANDS. Keep heavy imports
+(jax, models) inside `run`, so that `c2jax --help` and `c2jax config` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from c2jax.config import ConfigError
+
+COMMANDS = (
+    "c2jax.config",  # c2jax config PRESET_OR_YAML [key=value ...]
+    "c2jax.info",  # c2jax info PRESET_OR_YAML [key=value ...]
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="c2jax", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(name)
+        module.add_parser(subparsers).set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except ConfigError as e:
+        # a config mistake is the user's to fix: say what and where, without a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

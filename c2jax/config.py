@@ -1,0 +1,323 @@
+"""The one config system: typed frozen dataclasses, YAML files and dotted `a.b=value` overrides.
+
+A run is described by a `RunConfig`. `load_config` builds one from a preset name or a YAML file plus
+overrides; every field is type-checked on the way in, and any error names its dotted path, so a typo
+in a 40-field model config points at the line to fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from models.config import PRESETS, ConfigError, ModelConfig, preset
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the device-mesh axes; their product is the number of devices a run uses."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name, size in zip(self.axis_names, self.shape):
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {size!r}")
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.axis_names)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    output_dir: str = "runs"
+
+
+# Typed construction ------------------------------------------------------------------------------
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _mismatch(tp: Any, value: Any, path: str) -> ConfigError:
+    return ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # report the inner error: it is more precise than "expected X | None"
+            return _convert(options[0], value, path)
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except ConfigError:
+                pass
+        raise _mismatch(tp, value, path)
+    if origin is Literal:
+        # `type(...) is` so that True does not pass for Literal[1]
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise _mismatch(tp, value, path)
+    if tp is tuple or origin is tuple:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise _mismatch(tp, value, path)
+        if not args or (len(args) == 2 and args[1] is Ellipsis):
+            item = args[0] if args else Any
+            return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected {_type_name(tp)} ({len(args)} items), got {value!r}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise _mismatch(tp, value, path)
+        key_tp, value_tp = args or (Any, Any)
+        return {
+            _convert(key_tp, k, path): _convert(value_tp, v, _join(path, str(k))) for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):
+            return from_dict(tp, value, path)
+        raise _mismatch(tp, value, path)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _mismatch(tp, value, path)
+    if tp is int and isinstance(value, bool):
+        raise _mismatch(tp, value, path)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _mismatch(tp, value, path)
+    if tp in (int, bool, str):
+        if isinstance(value, tp):
+            return value
+        raise _mismatch(tp, value, path)
+    raise TypeError(f"{path}: unsupported annotation {tp!r} in a config dataclass")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
+    """Build the frozen dataclass `cls` from a (nested) dict, checking every key and type.
+
+    `path` is the dotted location of `data` in the enclosing config; errors are prefixed with it.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping for {cls.__name__}, got {data!r}")
+    hints = typing.get_type_hints(cls)  # resolves the string annotations of `from __future__`
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        key = str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(fields)}"
+            raise ConfigError(f"{_join(path, key)}: unknown key; {hint}")
+        kwargs[key] = _convert(hints[key], value, _join(path, key))
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in kwargs:
+            raise ConfigError(f"{_join(path, name)}: missing required key")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if not path:
+            raise
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Inverse of `from_dict`: plain dicts, lists and scalars only, safe for `yaml.safe_dump`."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# YAML ----------------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; read such numbers as floats."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        data = parse_yaml(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def dump_yaml(obj: Any, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
+    return path
+
+
+# Overrides, presets, loading ------------------------------------------------------------------------
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each `a.b.c=value` set; `value` is YAML (`null`, `[1.5, 2]`, ...)."""
+    data = copy.deepcopy(dict(data))
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"override {override!r}: expected dotted.key=value")
+        try:
+            value = parse_yaml(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from None
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:  # e.g. `model.rope_scaling.factor=2` where rope_scaling is null
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {override!r}: {'.'.join(parts[:i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: `update`'s sections refine `base`'s rather than replace them."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_presets(data: dict[str, Any]) -> dict[str, Any]:
+    model = data.get("model")
+    if not isinstance(model, Mapping) or "preset" not in model:
+        return data
+    rest = {k: v for k, v in model.items() if k != "preset"}
+    name = model["preset"]
+    if not isinstance(name, str):
+        raise ConfigError(f"model.preset: expected a preset name, got {name!r}; known: {sorted(PRESETS)}")
+    try:
+        base = to_dict(preset(name))
+    except ConfigError as e:
+        raise ConfigError(f"model.preset: {e}") from None
+    return {**data, "model": _merge(base, rest)}
+
+
+def load_config(source: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
+    """`source` is a model preset name (see `models.config.PRESETS`) or a YAML file of a RunConfig.
+
+    In YAML, `model: {preset: NAME, ...}` starts from that preset and applies the other keys on top.
+    Overrides apply after the file, so `model.preset=tiny` on the command line switches the preset.
+    """
+    if isinstance(source, str) and source in PRESETS:
+        data: dict[str, Any] = {"model": {"preset": source}}
+    elif Path(source).is_file():
+        data = load_yaml(source)
+    else:
+        raise ConfigError(f"{source}: neither a model preset ({', '.join(PRESETS)}) nor a YAML file")
+    data = _resolve_presets(apply_overrides(data, overrides))
+    return from_dict(RunConfig, data)
+
+
+def save_resolved(cfg: RunConfig, directory: str | os.PathLike) -> Path:
+    """Write the fully resolved config as `directory/config.yaml`, next to the run's logs."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return dump_yaml(cfg, directory / "config.yaml")
+
+
+# `c2jax config` -------------------------------------------------------------------------------------
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("config", help="print a resolved run config as YAML")
+    p.add_argument("source", help=f"a model preset ({', '.join(PRESETS)}) or a YAML file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. seed=1")
+    return p
+
+
+def run(args) -> int:
+    cfg = load_config(args.source, args.overrides)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+__all__ = [
+    "ConfigError", "MeshConfig", "RunConfig", "apply_overrides", "dump_yaml", "from_dict", "load_config",
+    "load_yaml", "parse_yaml", "save_resolved", "to_dict",
+]

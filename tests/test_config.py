@@ -1,0 +1,227 @@
+"""The config system: typed dataclasses from YAML and dotted overrides; every error names its field."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import yaml
+
+from c2jax.cli import main
+from c2jax.config import (
+    ConfigError,
+    MeshConfig,
+    RunConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    load_yaml,
+    save_resolved,
+    to_dict,
+)
+from models.config import PRESETS, ModelConfig, RopeScaling, preset
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "experiments" / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    x: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kinds:
+    """One field of every annotation kind the config system supports."""
+
+    i: int = 0
+    f: float = 0.0
+    b: bool = False
+    s: str = ""
+    maybe: int | None = None
+    floats: tuple[float, ...] = ()
+    pair: tuple[int, str] = (0, "")
+    table: dict[str, int] = dataclasses.field(default_factory=dict)
+    mode: Literal["a", "b"] = "a"
+    inner: Inner = Inner()
+    maybe_inner: Inner | None = None
+
+
+def test_every_annotation_kind_is_built_from_plain_yaml_values():
+    got = from_dict(Kinds, yaml.safe_load("""
+        i: 3
+        f: 2            # an int is a fine float
+        b: true
+        s: hi
+        maybe: null
+        floats: [1, 2.5]
+        pair: [1, x]
+        table: {a: 1}
+        mode: b
+        inner: {x: 4}
+        maybe_inner: {x: 5}
+    """))
+    assert got == Kinds(3, 2.0, True, "hi", None, (1.0, 2.5), (1, "x"), {"a": 1}, "b", Inner(4), Inner(5))
+    assert isinstance(got.f, float)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"i": "3"}, "i: expected int, got '3'"),
+        ({"i": True}, "i: expected int, got True"),  # bool is an int subclass in Python, not here
+        ({"f": False}, "f: expected float, got False"),
+        ({"b": 1}, "b: expected bool, got 1"),
+        ({"b": "yes"}, "b: expected bool, got 'yes'"),
+        ({"s": 5}, "s: expected str, got 5"),
+        ({"floats": "1.5"}, "floats: expected tuple[float, ...], got '1.5'"),
+        ({"floats": [1.5, "x"]}, "floats[1]: expected float, got 'x'"),
+        ({"pair": [1]}, "pair: expected tuple[int, str] (2 items)"),
+        ({"table": {"a": "1"}}, "table.a: expected int, got '1'"),
+        ({"mode": "c"}, "mode: expected 'a' | 'b', got 'c'"),
+        ({"inner": 3}, "inner: expected Inner, got 3"),
+        ({"inner": {"x": 1.5}}, "inner.x: expected int, got 1.5"),
+        ({"maybe_inner": {"y": 1}}, "maybe_inner.y: unknown key"),
+    ],
+)
+def test_wrong_types_are_rejected_naming_the_field(data, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_dict(Kinds, data)
+
+
+def test_unknown_key_is_rejected_with_its_dotted_name_and_a_suggestion():
+    with pytest.raises(ConfigError, match=r"^model\.hiden_size: unknown key; did you mean hidden_size\?$"):
+        from_dict(RunConfig, {"model": {"hiden_size": 8}})
+    with pytest.raises(ConfigError, match=r"^mesh\.zzz: unknown key; valid keys: data, fsdp, expert"):
+        from_dict(RunConfig, {"mesh": {"zzz": 1}})
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"num_experts_per_tok": 9}, "model: num_experts_per_tok (9) exceeds n_routed_experts (8)"),
+        ({"n_group": 3}, "model: n_group (3) must divide n_routed_experts (8)"),
+        ({"qk_rope_head_dim": 7}, "model: qk_rope_head_dim must be even"),
+        ({"n_group": 2, "topk_group": 4}, "model: topk_group (4) exceeds n_group (2)"),
+        ({"rope_scaling": {"factor": 0.5}}, "model.rope_scaling: rope_scaling.factor must be >= 1"),
+    ],
+)
+def test_inconsistent_values_are_rejected_with_where_they_sit(model, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        from_dict(RunConfig, {"model": model})
+
+
+def test_mesh_sizes_must_be_positive_and_describe_the_mesh():
+    with pytest.raises(ConfigError, match="^mesh: fsdp must be a positive integer, got 0"):
+        from_dict(RunConfig, {"mesh": {"fsdp": 0}})
+    mesh = MeshConfig(data=2, fsdp=2, expert=2)
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor")
+    assert mesh.shape == (2, 2, 2, 1, 1)
+    assert mesh.num_devices == 8
+
+
+def test_dotted_overrides_parse_values_as_yaml():
+    data = apply_overrides(
+        {"model": {"q_lora_rank": 16}},
+        ["model.q_lora_rank=null", "model.moe_capacity_factors=[1.5,2]", "seed=3", "name=x",
+         "model.rms_norm_eps=1e-5", "model.rope_scaling.factor=4"],
+    )
+    assert data == {
+        "model": {"q_lora_rank": None, "moe_capacity_factors": [1.5, 2], "rms_norm_eps": 1e-5,
+                  "rope_scaling": {"factor": 4}},
+        "seed": 3, "name": "x",
+    }
+
+
+@pytest.mark.parametrize("override", ["seed", "=3", "model..x=1", "model.x=[1,"])
+def test_malformed_override_is_a_clear_error(override):
+    with pytest.raises(ConfigError, match=re.escape(f"override '{override}'")):
+        apply_overrides({}, [override])
+
+
+def test_override_cannot_descend_into_a_scalar():
+    with pytest.raises(ConfigError, match="seed is not a section"):
+        apply_overrides({"seed": 1}, ["seed.x=1"])
+
+
+def test_a_preset_name_is_a_config_source():
+    cfg = load_config("small", ["model.q_lora_rank=64", "seed=7"])
+    assert cfg.model == preset("small").replace(q_lora_rank=64)
+    assert cfg.seed == 7 and cfg.mesh == MeshConfig()
+
+
+def test_yaml_preset_section_starts_from_the_preset_then_applies_keys_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: r\nmodel:\n  preset: kimi-k2.5\n  num_hidden_layers: 4\n  rope_scaling:\n"
+                    "    factor: 8\nmesh: {expert: 4}\n")
+    cfg = load_config(str(path), ["model.first_k_dense_replace=2", "mesh.data=2"])
+    kimi = preset("kimi-k2.5")
+    assert cfg.model == kimi.replace(
+        num_hidden_layers=4, first_k_dense_replace=2,
+        rope_scaling=dataclasses.replace(kimi.rope_scaling, factor=8.0),  # a section refines, not replaces
+    )
+    assert cfg.name == "r" and cfg.mesh == MeshConfig(data=2, expert=4)
+    assert load_config(str(path), ["model.preset=tiny"]).model.hidden_size == preset("tiny").hidden_size
+    assert load_config(str(path), ["model.rope_scaling=null"]).model.rope_scaling is None
+
+
+def test_unknown_preset_and_missing_file_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="model.preset: unknown model preset 'nope'"):
+        load_config("small", ["model.preset=nope"])
+    with pytest.raises(ConfigError, match="neither a model preset"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_round_trip_through_plain_dicts_and_yaml(name):
+    cfg = RunConfig(name=name, model=preset(name), mesh=MeshConfig(fsdp=2))
+    assert from_dict(RunConfig, to_dict(cfg)) == cfg
+    assert from_dict(RunConfig, yaml.safe_load(yaml.safe_dump(to_dict(cfg)))) == cfg
+
+
+def test_save_resolved_writes_a_loadable_config(tmp_path):
+    cfg = load_config("tiny", ["model.rms_norm_eps=1e-5"])
+    path = save_resolved(cfg, tmp_path / "runs" / "a")
+    assert path == tmp_path / "runs" / "a" / "config.yaml"
+    assert load_config(str(path)) == cfg
+    assert from_dict(RunConfig, load_yaml(path)) == cfg
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load(path):
+    cfg = load_config(str(path))
+    assert isinstance(cfg.model, ModelConfig)
+
+
+def test_defaults_are_valid():
+    assert from_dict(RunConfig, {}) == RunConfig()
+    assert from_dict(RopeScaling, {}) == RopeScaling()
+
+
+def test_cli_config_prints_the_resolved_yaml(capsys):
+    assert main(["config", "tiny", "seed=5", "model.q_lora_rank=null"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["seed"] == 5 and printed["model"]["q_lora_rank"] is None
+    assert from_dict(RunConfig, printed) == load_config("tiny", ["seed=5", "model.q_lora_rank=null"])
+
+
+def test_cli_bad_key_exits_2_with_a_readable_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "c2jax.cli", "config", "small", "model.hiden_size=8"],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr == "error: model.hiden_size: unknown key; did you mean hidden_size?\n"
+
+
+def test_a_field_without_default_is_required():
+    @dataclasses.dataclass(frozen=True)
+    class Needs:
+        x: int
+
+    with pytest.raises(ConfigError, match=r"^outer\.x: missing required key$"):
+        from_dict(Needs, {}, path="outer")
