@@ -525,7 +525,7 @@ def test_fp8_checkpoint(tmp_path):
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
 
-    from models.hf import _SafetensorsFile
+    from models.hf.safetensors_io import _SafetensorsFile
 
     file = _SafetensorsFile(tmp_path / "fp8" / "model.safetensors")
     key = "model.layers.0.mlp.gate_proj.weight"  # [136, 32]: two block rows, the second partial

@@ -1,0 +1,30 @@
+"""Hugging Face interop: DeepSeek-V3 / Kimi-K2 `config.json` <-> `ModelConfig`, safetensors checkpoints
+<-> `Transformer`.
+
+  config.py          config.json <-> ModelConfig (`config_from_hf`, `config_to_hf`)
+  keys.py            parameter <-> checkpoint key mapping; the on-disk layout
+  load.py            `from_pretrained`: the formats it accepts, MTP handling
+  save.py            `save_pretrained`
+  checkpoint.py      reading a (possibly sharded, possibly wrapped) safetensors checkpoint
+  safetensors_io.py  the safetensors reader/writer (numpy + ml_dtypes; memory-mapped reads)
+  fp8.py             DeepSeek's FP8 block quantization
+  errors.py          `CheckpointError`
+"""
+
+from models.hf.config import config_from_hf, config_to_hf
+from models.hf.errors import CheckpointError
+from models.hf.fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_block, quantize_fp8_block
+from models.hf.load import from_pretrained
+from models.hf.save import save_pretrained
+
+__all__ = [
+    "FP8_BLOCK",
+    "FP8_MAX",
+    "CheckpointError",
+    "config_from_hf",
+    "config_to_hf",
+    "dequantize_fp8_block",
+    "from_pretrained",
+    "quantize_fp8_block",
+    "save_pretrained",
+]

@@ -1,0 +1,5 @@
+"""Errors of the Hugging Face interop (config errors are `models.config.ConfigError`)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, has an unexpected shape or dtype, or is not expected at all."""
