@@ -6,9 +6,8 @@ so this runs for the 1T-parameter preset on a laptop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 from flax import nnx

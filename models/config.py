@@ -88,7 +88,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights)
     moe_impl: str = "sorted"  # "sorted": sort + capacity-bucketed einsum (fast, dropless);
     # "ragged": jax.lax.ragged_dot; "dense": every expert on every token (oracle)
-    moe_capacity_factors: tuple[float, ...] = (1.25, 2.0)
+    # capacity buckets of moe_impl="sorted" (x the balanced load; T is always appended, so nothing drops).
+    # 1.5 is there because a randomly initialised router already loads its busiest expert ~1.35x.
+    moe_capacity_factors: tuple[float, ...] = (1.25, 1.5, 2.0)
     scan_layers: bool = True
     remat_policy: str = "none"
 

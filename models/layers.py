@@ -58,9 +58,14 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
-def dense(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
-    """x @ w in the activation dtype; weights are stored [in, out]."""
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+def dense(x: jnp.ndarray, w: jnp.ndarray, preferred_element_type=None) -> jnp.ndarray:
+    """x [..., in] @ w [in, out] in the activation dtype, as one 2-D matmul over the flattened tokens.
+
+    Measured on XLA:CPU: autodiff of the same contraction written as a rank-3 einsum ("bsd,dv->bsv")
+    relayouts the cotangent through a transposing copy (LM head fwd+bwd with log_softmax cross-entropy
+    at the small preset: 876 ms as "bsd,dv->bsv", 438 ms as a 2-D matmul)."""
+    y = jnp.matmul(x.reshape(-1, x.shape[-1]), w.astype(x.dtype), preferred_element_type=preferred_element_type)
+    return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 class MLP(nnx.Module):
@@ -73,5 +78,99 @@ class MLP(nnx.Module):
         self.down_proj = param(rngs, (width, d), ("mlp", "embed"), cfg=cfg, stack=stack)
 
     def __call__(self, x):
-        h = jax.nn.silu(dense(x, self.gate_proj[...])) * dense(x, self.up_proj[...])
-        return dense(h, self.down_proj[...])
+        w = [p[...].astype(x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        return swiglu(x.reshape(-1, x.shape[-1]), *w).reshape(x.shape)
+
+
+def _transposed(w):
+    """w.T materialised as its own array (the barrier keeps XLA from folding it into
+    the consuming dot). Left to itself, XLA:CPU satisfied autodiff'd matmul backwards by relayouting
+    the other, often larger, operand, e.g. the [T, f] transposing copy fusions of the SwiGLU backward
+    (dense MLP fwd+bwd at the small preset: 295 -> 181 ms with the hand-written backward below)."""
+    return jax.lax.optimization_barrier(w.T)
+
+
+def matmul_grads(x, w, dy):
+    """(dx, dw) of y = x @ w for 2-D x [T, i], w [i, o], in the forms XLA:CPU runs fastest."""
+    return dy @ _transposed(w), _transposed(x) @ dy
+
+
+@jax.custom_vjp
+def swiglu(x, w_gate, w_up, w_down):
+    """down(silu(x W_gate) * (x W_up)) for 2-D x, with a hand-written backward (see `_transposed`)."""
+    return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
+
+
+def _swiglu_fwd(x, w_gate, w_up, w_down):
+    gate, up = x @ w_gate, x @ w_up
+    return (jax.nn.silu(gate) * up) @ w_down, (x, w_gate, w_up, w_down, gate, up)
+
+
+def _swiglu_bwd(res, dy):
+    x, w_gate, w_up, w_down, gate, up = res
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    dact, dw_down = matmul_grads(silu * up, w_down, dy)
+    dgate = dact * up * sig * (1 + gate * (1 - sig))
+    dup = dact * silu
+    x_t = _transposed(x)
+    dx = dgate @ _transposed(w_gate) + dup @ _transposed(w_up)
+    return dx, x_t @ dgate, x_t @ dup, dw_down
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@jax.custom_vjp
+def softmax_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    """Per-position -log softmax(logits)[label]: logits [..., V] (float32), labels [...] int -> [...].
+
+    Same value as -take_along_axis(log_softmax(logits), labels), but with the backward written out as
+    g * (softmax - onehot): one fused pass over the logits. Autodiff of that expression instead
+    materialises log-probabilities, scatter-adds the cotangent into a zero [..., V] buffer and runs the
+    log_softmax transpose over it (measured on XLA:CPU at [4096, 8192]: several extra 128 MB passes).
+    """
+    return _softmax_cross_entropy_fwd(logits, labels)[0]
+
+
+def _softmax_cross_entropy_fwd(logits, labels):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return lse - picked, (logits, lse, labels)
+
+
+def _softmax_cross_entropy_bwd(res, g):
+    logits, lse, labels = res
+    onehot = jnp.arange(logits.shape[-1], dtype=labels.dtype) == labels[..., None]
+    dlogits = g[..., None] * (jnp.exp(logits - lse[..., None]) - onehot)
+    return dlogits.astype(logits.dtype), None
+
+
+softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_bwd)
+
+
+@jax.custom_vjp
+def lm_head_cross_entropy(h: jnp.ndarray, w: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    """softmax_cross_entropy(h @ w, labels) for 2-D h [T, d], w [d, V], labels [T]: per-token loss [T].
+
+    Fusing the head into the loss's custom_vjp lets the backward form dlogits once and feed both weight
+    and input gradients from it; autodiff of the head einsum instead recomputed the dlogits fusion a second
+    time as a transposed [V, T] copy (measured: head + CE fwd+bwd 660 -> 330 ms at T=4096, V=8192).
+    """
+    return _lm_head_cross_entropy_fwd(h, w, labels)[0]
+
+
+def _lm_head_cross_entropy_fwd(h, w, labels):
+    logits = jnp.matmul(h, w, preferred_element_type=jnp.float32)
+    loss, (_, lse, _) = _softmax_cross_entropy_fwd(logits, labels)
+    return loss, (h, w, labels, logits, lse)
+
+
+def _lm_head_cross_entropy_bwd(res, g):
+    h, w, labels, logits, lse = res
+    dlogits, _ = _softmax_cross_entropy_bwd((logits, lse, labels), g)
+    dh, dw = matmul_grads(h, w.astype(h.dtype), dlogits.astype(h.dtype))
+    return dh, dw.astype(w.dtype), None
+
+
+lm_head_cross_entropy.defvjp(_lm_head_cross_entropy_fwd, _lm_head_cross_entropy_bwd)

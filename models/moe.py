@@ -5,7 +5,8 @@ Dispatch paths (`ModelConfig.moe_impl`):
   sorted  sort assignments by expert, gather them into an [E, C, d] buffer and run one batched einsum.
           C is chosen at run time from a few static buckets (`moe_capacity_factors` x the balanced load,
           then T, the hard bound since a token picks an expert at most once) with `lax.switch`, so no
-          token is ever dropped and a balanced batch pays only ~1.25x the useful FLOPs. The default.
+          token is ever dropped and a balanced batch pays only ~1.25x the useful FLOPs. The default;
+          its backward is written by hand (see `_sorted_experts`).
   ragged  `jax.lax.ragged_dot` over the sorted rows. Exact grouped GEMM semantics; XLA:CPU lowers it
           to a dense masked matmul (~E x the FLOPs), so it is an oracle on CPU and a candidate on GPU.
   dense   every expert on every token, combined with a [T, E] weight matrix. The simplest oracle.
@@ -14,6 +15,7 @@ Dispatch paths (`ModelConfig.moe_impl`):
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -117,35 +119,123 @@ def capacity_buckets(cfg: ModelConfig, num_tokens: int) -> tuple[int, ...]:
     return tuple(caps)
 
 
-def _dispatch_with_capacity(x, weights, order, starts, counts, slot_of, gate_up, down, capacity):
-    num_experts = gate_up.shape[0]
+# The sorted path is one custom_vjp with a hand-written backward. Two measured XLA:CPU traps make that
+# worth its length (small preset, T=4096: fwd+bwd of one MoE layer went from ~500 to ~280 ms):
+#  * Differentiating through `lax.switch` joins the residuals of all branches, so the branch that runs
+#    zero-fills the [E, C, .] residuals of every larger capacity bucket (C up to T): ~1/3 of the layer
+#    time went to broadcasts of zeros. Here the switch runs inside the forward and inside the backward,
+#    never under autodiff, and the only residuals are [T*k, .] arrays whose shape is bucket independent.
+#  * Autodiff of gather is scatter-add, and of `where(valid, ., 0)` a select over the whole buffer.
+#    Both directions here are gathers: the buffer row (e, c) reads token src[e, c] or an appended zero
+#    row (empty slots), and a token's gradient is the sum of its k buffer rows, so no scatter, no select.
+
+
+def _pad_row(a):
+    """a with one zero row appended: the source that empty buffer slots gather from."""
+    return jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+
+
+def _take(a, idx):
+    return a.at[idx].get(mode="promise_in_bounds")
+
+
+class _Plan(NamedTuple):
+    """Capacity-independent bookkeeping of the T*k assignments (a = t*k + j), sorted by expert."""
+    order: jnp.ndarray  # [T*k] assignment indices grouped by expert (stable)
+    starts: jnp.ndarray  # [E] first position of each expert in `order`
+    counts: jnp.ndarray  # [E] assignments per expert
+    flat: jnp.ndarray  # [T*k] expert of each assignment
+    rank: jnp.ndarray  # [T*k] position of each assignment among its expert's
+
+
+def _plan(expert_ids: jnp.ndarray, num_experts: int) -> _Plan:
+    flat, order, counts, starts = _sort_assignments(expert_ids, num_experts)
+    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return _Plan(order, starts, counts, flat, rank)
+
+
+def _slots(plan: _Plan, capacity: int):
+    """slot [T*k]: buffer row of each assignment; src [E*C]: assignment in each row (T*k if empty)."""
+    num_assign = plan.order.shape[0]
+    slot = plan.flat * capacity + plan.rank
+    c = jnp.arange(capacity, dtype=jnp.int32)
+    pos = plan.starts[:, None] + c[None, :]
+    held = plan.order[jnp.minimum(pos, num_assign - 1)]
+    src = jnp.where(c[None, :] < plan.counts[:, None], held, num_assign)
+    return slot, src.reshape(-1)
+
+
+def _experts_fwd_at(capacity, x, weights, gate_up, down, plan):
     num_tokens, k = weights.shape
-    c = jnp.arange(capacity)
-    src = starts[:, None] + c[None, :]  # [E, C] index into the sorted assignments
-    valid = c[None, :] < counts[:, None]
-    src_token = order[jnp.minimum(src, order.shape[0] - 1)] // k
-    buffer = jnp.where(valid[..., None], x[src_token], 0)
-    out = _swiglu_experts(buffer, gate_up, down).reshape(num_experts * capacity, -1)
-    slots = slot_of[0] * capacity + slot_of[1]  # [T*k] row of each assignment in `out`
-    gathered = out[slots].reshape(num_tokens, k, -1)
-    return jnp.einsum("tkd,tk->td", gathered, weights.astype(x.dtype))
+    num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
+    slot, src = _slots(plan, capacity)
+    h = _take(_pad_row(x), src // k).reshape(num_experts, capacity, d)  # empty rows: src // k == T
+    gu = jnp.einsum("ecd,edg->ecg", h, gate_up)
+    act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
+    out = jnp.einsum("ecf,efd->ecd", act, down).reshape(num_experts * capacity, d)
+    out_a = _take(out, slot)  # [T*k, d], assignment order
+    gu_a = _take(gu.reshape(num_experts * capacity, 2 * f), slot)
+    y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
+    return y, gu_a, out_a
+
+
+def _experts_bwd_at(capacity, x, weights, gate_up, down, plan, gu_a, out_a, dy):
+    num_tokens, k = weights.shape
+    num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
+    slot, src = _slots(plan, capacity)
+    tok = src // k
+    dweights = jnp.einsum("tkd,td->tk", out_a.reshape(num_tokens, k, d), dy)
+    row_weight = _take(_pad_row(weights.reshape(-1)), src)  # 0 on empty rows
+    dout = (_take(_pad_row(dy), tok) * row_weight[:, None]).reshape(num_experts, capacity, d)
+    h = _take(_pad_row(x), tok).reshape(num_experts, capacity, d)
+    gu = _take(_pad_row(gu_a), src).reshape(num_experts, capacity, 2 * f)
+    gate, up = gu[..., :f], gu[..., f:]
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    dact = jnp.einsum("ecd,efd->ecf", dout, down)
+    ddown = jnp.einsum("ecf,ecd->efd", silu * up, dout)
+    dgu = jnp.concatenate([dact * up * sig * (1 + gate * (1 - sig)), dact * silu], axis=-1)
+    dgate_up = jnp.einsum("ecd,ecg->edg", h, dgu)
+    dh = jnp.einsum("ecg,edg->ecd", dgu, gate_up).reshape(num_experts * capacity, d)
+    dx = _take(dh, slot).reshape(num_tokens, k, d).sum(1)  # each token's k rows
+    return dx, dweights, dgate_up, ddown
+
+
+def _bucket_index(buckets, counts):
+    index = jnp.searchsorted(jnp.asarray(buckets), jnp.max(counts), side="left")
+    return jnp.minimum(index, len(buckets) - 1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sorted_experts(buckets, x, weights, gate_up, down, expert_ids):
+    return _sorted_experts_fwd(buckets, x, weights, gate_up, down, expert_ids)[0]
+
+
+def _sorted_experts_fwd(buckets, x, weights, gate_up, down, expert_ids):
+    plan = _plan(expert_ids, gate_up.shape[0])
+    branches = [partial(_experts_fwd_at, cap) for cap in buckets]
+    y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts), branches,
+                                    x, weights, gate_up, down, plan)
+    return y, (x, weights, gate_up, down, plan, gu_a, out_a)
+
+
+def _sorted_experts_bwd(buckets, res, dy):
+    x, weights, gate_up, down, plan, gu_a, out_a = res
+    branches = [partial(_experts_bwd_at, cap) for cap in buckets]
+    grads = jax.lax.switch(_bucket_index(buckets, plan.counts), branches,
+                           x, weights, gate_up, down, plan, gu_a, out_a, dy.astype(x.dtype))
+    return (*grads, None)
+
+
+_sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
 
 
 def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down):
     """Dropless sort + capacity-bucketed batched einsum (see module docstring)."""
-    num_experts = gate_up.shape[0]
-    flat, order, counts, starts = _sort_assignments(routing.expert_ids, num_experts)
-    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
-    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)  # position within its expert
     buckets = capacity_buckets(cfg, x.shape[0])
-    branches = [
-        (lambda cap: lambda *a: _dispatch_with_capacity(*a, gate_up, down, cap))(cap) for cap in buckets
-    ]
-    index = jnp.searchsorted(jnp.asarray(buckets), jnp.max(counts), side="left")
-    operands = (x, routing.weights, order, starts, counts, (flat, rank))
-    if len(branches) == 1:
-        return branches[0](*operands)
-    return jax.lax.switch(jnp.minimum(index, len(branches) - 1), branches, *operands)
+    return _sorted_experts(buckets, x, routing.weights.astype(x.dtype), gate_up.astype(x.dtype),
+                           down.astype(x.dtype), routing.expert_ids)
 
 
 class MoE(nnx.Module):

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import MLAttention, attention_mask
 from models.config import ModelConfig
-from models.layers import MLP, RMSNorm, param
+from models.layers import MLP, RMSNorm, dense, lm_head_cross_entropy, param
 from models.logical import constrain
 from models.moe import MoE
 from models.rope import rope_tables
@@ -72,6 +72,17 @@ _REMAT = {
 }
 
 
+@jax.custom_vjp
+def _unstack(a):
+    """tuple(a[i] for i in range(len(a))), whose gradient is one stack of the per-layer gradients.
+    Autodiff of the slices would instead pad every layer's gradient to the full [L, ...] shape and add
+    the pads (measured on XLA:CPU: ~L x the stacked parameter size of extra traffic per step)."""
+    return tuple(a[i] for i in range(a.shape[0]))
+
+
+_unstack.defvjp(lambda a: (_unstack(a), None), lambda _, cts: (jnp.stack(cts),))
+
+
 def _run_stack(cfg: ModelConfig, stack: nnx.Module, num: int, x, cos, sin, mask, replay_ids):
     """Apply `num` stacked layers (leading axis 'layers' on every leaf) in order."""
     graphdef, state = nnx.split(stack)
@@ -88,8 +99,9 @@ def _run_stack(cfg: ModelConfig, stack: nnx.Module, num: int, x, cos, sin, mask,
     if cfg.scan_layers:
         return jax.lax.scan(body, x, (state, replay_ids))
     outs = []
+    per_layer = jax.tree.map(_unstack, state)
     for i in range(num):
-        layer = jax.tree.map(lambda a, i=i: a[i], state)
+        layer = jax.tree.map(lambda a, i=i: a[i], per_layer, is_leaf=lambda a: isinstance(a, tuple))
         x, out = body(x, (layer, None if replay_ids is None else replay_ids[i]))
         outs.append(out)
     stacked = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
@@ -112,8 +124,20 @@ class Transformer(nnx.Module):
         """Output head: the trunk's final norm, or an MTP module's own norm, then the shared LM head."""
         h = (self.norm if norm is None else norm)(h)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        out = jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        out = dense(h, w, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "seq", "vocab"))
+
+    def token_losses(self, hidden, labels, norm: RMSNorm | None = None):
+        """Per-token cross-entropy [B, S] of the output head on `hidden` (pre-norm, like ModelOutput.hidden)
+        against `labels` [B, S]. Equals softmax_cross_entropy(self.logits(hidden), labels), but head and
+        loss share one hand-written backward (models.layers.lm_head_cross_entropy), which on XLA:CPU is
+        about twice as fast as autodiff through the logits; under jit, unused `ModelOutput.logits` are
+        dead code and cost nothing."""
+        h = (self.norm if norm is None else norm)(hidden)
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        batch, seq, d = h.shape
+        loss = lm_head_cross_entropy(h.reshape(batch * seq, d), w, labels.reshape(-1))
+        return loss.reshape(batch, seq)
 
     def embed(self, ids):
         x = jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.dtype(self.cfg.dtype))
@@ -158,7 +182,7 @@ class Transformer(nnx.Module):
             shifted = jnp.where(jnp.arange(seq) < seq - j - 1, jnp.roll(input_ids, -(j + 1), axis=1), 0)
             e = module.enorm(self.embed(shifted))
             x = jnp.concatenate([e, module.hnorm(h)], axis=-1)
-            x = jnp.einsum("bsi,io->bso", x, module.eh_proj[...].astype(x.dtype))
+            x = dense(x, module.eh_proj[...])
             out, _ = module.block(x, cos, sin, mask)
             outs.append(self.logits(out, module.norm))
             h = module.norm(out)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.transformer import Transformer, forward
+from models.transformer import Transformer
 
 
 class TrainState(NamedTuple):
@@ -56,8 +56,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
     (if router_bias_rate > 0) the sign-rule router-bias update, outside the optimizer."""
 
     def loss_fn(params, model_state, tokens):
-        out = forward(graphdef, nnx.merge_state(params, model_state), tokens[:, :-1], return_mtp=False)
-        loss, _ = cross_entropy(out.logits, tokens[:, 1:])
+        model = nnx.merge(graphdef, params, model_state)
+        out = model(tokens[:, :-1], return_mtp=False)
+        # the fused head + loss: the [B, S, V] logits are never materialised for the backward
+        loss = model.token_losses(out.hidden, tokens[:, 1:]).mean()
         return loss, out.expert_counts
 
     @jax.jit
@@ -65,7 +67,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
         (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.model_state, tokens)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         model_state = state.model_state
         if counts is not None and router_bias_rate > 0:
             model_state = update_router_bias(jax.tree.map(lambda x: x, model_state), counts, router_bias_rate)
