@@ -72,7 +72,7 @@ def main(argv=None):
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, 3e-3, 10, args.steps, 3e-4), weight_decay=0.1))
     graphdef, state = init_train_state(model, tx)
-    train_step = make_train_step(graphdef, tx, router_bias_rate=1e-3)
+    train_step = make_train_step(graphdef, tx, router_bias_rate=1e-2)
     eval_batch = next(batches(held, args.batch, args.seq, seed=1))
 
     @jax.jit

@@ -95,7 +95,7 @@ def make_torch_step(cfg: ModelConfig, seed: int = 0):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return float(loss)
+        return loss.item()
 
     return run, torch
 
