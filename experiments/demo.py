@@ -25,9 +25,10 @@ from flax import nnx
 
 from c2jax.config import RunConfig, save_resolved
 from c2jax.info import format_report, report
-from c2jax.train.step import cross_entropy, init_train_state, make_train_step
+from c2jax.train.step import init_train_state, make_train_step
 from models import hf
 from models.config import preset
+from models.layers import softmax_cross_entropy
 from models.transformer import forward, init
 
 
@@ -78,7 +79,7 @@ def main(argv=None):
     @jax.jit
     def eval_loss(params, model_state, tokens):
         logits = forward(graphdef, nnx.merge_state(params, model_state), tokens[:, :-1], return_mtp=False).logits
-        return cross_entropy(logits, tokens[:, 1:])[0]
+        return softmax_cross_entropy(logits, tokens[:, 1:]).mean()
 
     metrics_path = out / "metrics.jsonl"
     with metrics_path.open("w") as log:

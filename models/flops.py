@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import RouterBias
 from models.transformer import abstract_state
 
 
@@ -36,11 +34,6 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         if path[0] == "mtp":
             mtp += size
     return ParamCounts(total, active, embedding, mtp)
-
-
-def router_bias_count(cfg: ModelConfig) -> int:
-    _, state = abstract_state(cfg)
-    return sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, RouterBias)))
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layers: int) -> float:

@@ -23,16 +23,6 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray | None = None):
-    """Mean over unmasked tokens of -log softmax(logits)[label]; returns (loss, token count)."""
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    nll = logz - picked
-    mask = jnp.ones_like(nll) if mask is None else mask.astype(nll.dtype)
-    count = jnp.maximum(mask.sum(), 1.0)
-    return (nll * mask).sum() / count, count
-
-
 def init_train_state(model: Transformer, tx: optax.GradientTransformation):
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, model_state, tx.init(params))
