@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 
-from c2jax.sharding_rules import DEFAULT_PARAM_RULES, partition_spec
+from c2jax.mesh import shard_state
+from c2jax.sharding_rules import DEFAULT_PARAM_RULES
 from models.config import preset
 from models.logical import constrain, logical_rules
 from models.transformer import forward, init
@@ -17,19 +18,13 @@ ACTIVATION_RULES = {"batch": ("data", "fsdp"), "seq": None, "embed": None, "voca
 def test_sharded_forward_on_eight_devices_matches_single_device():
     assert len(jax.devices()) == 8, "conftest sets 8 fake CPU devices"
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "expert"), axis_types=(AxisType.Auto,) * 3)
-    mesh_shape = dict(mesh.shape)
     cfg = preset("tiny")
     model = init(cfg, seed=0)
     graphdef, state = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(0), (4, 16), 0, cfg.vocab_size)
     expected = forward(graphdef, state, tokens).logits
 
-    def place(var):
-        value = var.get_value()
-        spec = partition_spec(value.shape, var.get_metadata()["logical_axes"], mesh_shape, DEFAULT_PARAM_RULES)
-        return var.replace(jax.device_put(value, NamedSharding(mesh, spec)))
-
-    sharded = jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    sharded = shard_state(state, mesh, DEFAULT_PARAM_RULES)
     experts = sharded["moe_layers"]["mlp"]["gate_up_proj"].get_value()
     assert experts.sharding.spec[1] == "expert"  # [layers, experts, embed, expert_mlp]
     assert len(experts.addressable_shards) == 8 and experts.addressable_shards[0].data.shape[1] == 4
