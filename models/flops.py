@@ -51,9 +51,8 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, include_mtp: bool =
     measures useful work.
     """
     counts = param_counts(cfg)
-    matmul_params = counts.active - (0 if cfg.tie_word_embeddings else counts.embedding)
-    if cfg.tie_word_embeddings:
-        matmul_params = counts.active  # the table is the head: one matmul
+    # an untied embedding table is a lookup; a tied one is the head, counted once as a matmul
+    matmul_params = counts.active if cfg.tie_word_embeddings else counts.active - counts.embedding
     if not include_mtp:
         matmul_params -= counts.mtp
     layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0)

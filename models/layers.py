@@ -106,13 +106,19 @@ def _swiglu_fwd(x, w_gate, w_up, w_down):
     return (jax.nn.silu(gate) * up) @ w_down, (x, w_gate, w_up, w_down, gate, up)
 
 
-def _swiglu_bwd(res, dy):
-    x, w_gate, w_up, w_down, gate, up = res
+def swiglu_act_grads(gate, up, dact):
+    """act = silu(gate) * up and the cotangents (dgate, dup) of act for cotangent dact.
+    silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))."""
     sig = jax.nn.sigmoid(gate)
     silu = gate * sig
-    dact, dw_down = matmul_grads(silu * up, w_down, dy)
-    dgate = dact * up * sig * (1 + gate * (1 - sig))
-    dup = dact * silu
+    return silu * up, dact * up * sig * (1 + gate * (1 - sig)), dact * silu
+
+
+def _swiglu_bwd(res, dy):
+    x, w_gate, w_up, w_down, gate, up = res
+    act = jax.nn.silu(gate) * up
+    dact, dw_down = matmul_grads(act, w_down, dy)
+    _, dgate, dup = swiglu_act_grads(gate, up, dact)
     x_t = _transposed(x)
     dx = dgate @ _transposed(w_gate) + dup @ _transposed(w_up)
     return dx, x_t @ dgate, x_t @ dup, dw_down

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import MLP, RouterBias, param
+from models.layers import MLP, RouterBias, param, swiglu_act_grads
 
 
 class Routing(NamedTuple):
@@ -191,11 +191,10 @@ def _experts_bwd_at(capacity, x, weights, gate_up, down, plan, gu_a, out_a, dy):
     h = _take(_pad_row(x), tok).reshape(num_experts, capacity, d)
     gu = _take(_pad_row(gu_a), src).reshape(num_experts, capacity, 2 * f)
     gate, up = gu[..., :f], gu[..., f:]
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
     dact = jnp.einsum("ecd,efd->ecf", dout, down)
-    ddown = jnp.einsum("ecf,ecd->efd", silu * up, dout)
-    dgu = jnp.concatenate([dact * up * sig * (1 + gate * (1 - sig)), dact * silu], axis=-1)
+    act, dgate, dup = swiglu_act_grads(gate, up, dact)
+    ddown = jnp.einsum("ecf,ecd->efd", act, dout)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)
     dgate_up = jnp.einsum("ecd,ecg->edg", h, dgu)
     dh = jnp.einsum("ecg,edg->ecd", dgu, gate_up).reshape(num_experts * capacity, d)
     dx = _take(dh, slot).reshape(num_tokens, k, d).sum(1)  # each token's k rows

@@ -120,10 +120,14 @@ class Transformer(nnx.Module):
         depth = cfg.num_nextn_predict_layers
         self.mtp = MTPModule(cfg, rngs, depth) if depth else None
 
+    def head_weight(self):
+        """[d, V]: the LM head, or the transposed embedding table when tied."""
+        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+
     def logits(self, h, norm: RMSNorm | None = None):
         """Output head: the trunk's final norm, or an MTP module's own norm, then the shared LM head."""
         h = (self.norm if norm is None else norm)(h)
-        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        w = self.head_weight()
         out = dense(h, w, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "seq", "vocab"))
 
@@ -134,7 +138,7 @@ class Transformer(nnx.Module):
         about twice as fast as autodiff through the logits; under jit, unused `ModelOutput.logits` are
         dead code and cost nothing."""
         h = (self.norm if norm is None else norm)(hidden)
-        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        w = self.head_weight()
         batch, seq, d = h.shape
         loss = lm_head_cross_entropy(h.reshape(batch * seq, d), w, labels.reshape(-1))
         return loss.reshape(batch, seq)

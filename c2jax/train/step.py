@@ -34,6 +34,7 @@ def update_router_bias(model_state: nnx.State, counts: jnp.ndarray, rate: float)
     `counts` [L_moe, E] are the global per-expert token counts of this step (a jnp reduction over the
     whole batch, so under sharding they are already summed across devices).
     """
+    model_state = jax.tree.map(lambda x: x, model_state)  # new Variables: the caller's state is untouched
     bias = model_state["moe_layers"]["mlp"]["e_score_correction_bias"]
     load = counts.astype(jnp.float32)
     step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
@@ -60,7 +61,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         model_state = state.model_state
         if counts is not None and router_bias_rate > 0:
-            model_state = update_router_bias(jax.tree.map(lambda x: x, model_state), counts, router_bias_rate)
+            model_state = update_router_bias(model_state, counts, router_bias_rate)
         if counts is not None:
             load = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1)
             metrics["max_expert_load"] = load.max() * counts.shape[-1]  # 1.0 = perfectly balanced
