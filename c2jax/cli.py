@@ -1,7 +1,9 @@
 """The `c2jax` command line.
 
 Each subcommand is a module with `add_parser(subparsers)`, returning its argparse parser, and
-`run(args)`, returning an exit status. Registering one is one line in COMMANDS. Keep heavy imports
+`run(args)`, returning an exit status. Commands of this package are listed in COMMANDS; packages
+above c2jax in the layering (rl, experiments) register theirs as entry points in the
+`c2jax.commands` group of pyproject.toml, so that c2jax never imports upward. Keep heavy imports
 (jax, models) inside `run`, so that `c2jax --help` and `c2jax config` stay fast.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
 from c2jax.config import ConfigError
 
@@ -19,10 +22,19 @@ COMMANDS = (
 )
 
 
+ENTRY_POINT_GROUP = "c2jax.commands"
+
+
+def command_modules() -> list[str]:
+    """This package's commands, then those other installed packages register as entry points."""
+    registered = sorted(ep.value for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return list(COMMANDS) + [name for name in registered if name not in COMMANDS]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="c2jax", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
+    for name in command_modules():
         module = importlib.import_module(name)
         module.add_parser(subparsers).set_defaults(run=module.run)
     return parser
