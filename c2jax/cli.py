@@ -19,6 +19,9 @@ from c2jax.config import ConfigError
 COMMANDS = (
     "c2jax.config",  # c2jax config PRESET_OR_YAML [key=value ...]
     "c2jax.info",  # c2jax info PRESET_OR_YAML [key=value ...]
+    "c2jax.plan",  # c2jax plan PRESET_OR_YAML --devices N --mesh fsdp=8,expert=8
+    "c2jax.data.tokenizer_cli",  # c2jax tokenizer train --corpus DIR --vocab-size N --out DIR
+    "c2jax.train.cli",  # c2jax pretrain --config YAML [key=value ...]
 )
 
 

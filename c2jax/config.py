@@ -27,24 +27,35 @@ from models.config import PRESETS, ConfigError, ModelConfig, preset
 T = TypeVar("T")
 
 
+AxisRules = dict[str, str | tuple[str, ...] | None]
+
+
 @dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the device-mesh axes; their product is the number of devices a run uses."""
+    """Sizes of the device-mesh axes; their product is the number of devices a run uses.
+
+    One axis may be -1: it takes whatever the other axes leave of the available devices. The rules map
+    logical axis names (models/layers.py for parameters, models/logical.py for activations) to mesh
+    axes; entries here override c2jax.sharding_rules' defaults key by key."""
 
     data: int = 1
     fsdp: int = 1
     expert: int = 1
     context: int = 1
     tensor: int = 1
+    param_rules: AxisRules = field(default_factory=dict)
+    activation_rules: AxisRules = field(default_factory=dict)
 
     def __post_init__(self):
         for name, size in zip(self.axis_names, self.shape):
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {size!r}")
+            if not isinstance(size, int) or isinstance(size, bool) or (size <= 0 and size != -1):
+                raise ConfigError(f"{name} must be a positive integer or -1 (inferred), got {size!r}")
+        if list(self.shape).count(-1) > 1:
+            raise ConfigError(f"at most one mesh axis can be -1, got {dict(zip(self.axis_names, self.shape))}")
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self))
+        return ("data", "fsdp", "expert", "context", "tensor")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -52,7 +63,39 @@ class MeshConfig:
 
     @property
     def num_devices(self) -> int:
+        if -1 in self.shape:
+            raise ConfigError(f"mesh {self.sizes} has an inferred (-1) axis: resolve(num_devices) it first")
         return math.prod(self.shape)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.shape))
+
+    def resolve(self, num_devices: int) -> MeshConfig:
+        """This mesh with its -1 axis (if any) sized so the mesh uses exactly `num_devices`."""
+        known = math.prod(s for s in self.shape if s != -1)
+        if -1 not in self.shape:
+            if known != num_devices:
+                raise ConfigError(f"mesh {self.sizes} needs {known} devices, {num_devices} available")
+            return self
+        if num_devices % known:
+            raise ConfigError(f"mesh {self.sizes}: {num_devices} devices do not divide by the fixed axes' {known}")
+        inferred = next(n for n, s in zip(self.axis_names, self.shape) if s == -1)
+        return dataclasses.replace(self, **{inferred: num_devices // known})
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host JAX (one process per host): arguments of jax.distributed.initialize.
+
+    With enabled and no address, JAX detects the cluster (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU) or
+    reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (see c2jax/distributed.py)."""
+
+    enabled: bool = False
+    coordinator_address: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0 = detect
+    process_id: int = -1  # -1 = detect
+    local_device_ids: tuple[int, ...] = ()  # () = all local devices
 
 
 @dataclass(frozen=True)
@@ -61,6 +104,7 @@ class RunConfig:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output_dir: str = "runs"
 
 

@@ -116,10 +116,12 @@ def add_parser(subparsers):
 def run(args) -> int:
     import json
 
-    from c2jax.config import load_config
+    from c2jax.config import ConfigError, load_config
 
     cfg = load_config(args.source, args.overrides)
-    mesh_shape = dict(zip(cfg.mesh.axis_names, cfg.mesh.shape))
+    mesh_shape = cfg.mesh.sizes
+    if -1 in mesh_shape.values():
+        raise ConfigError(f"mesh {mesh_shape} has an inferred (-1) axis; `c2jax plan --devices N` resolves it")
     r = report(cfg.model, mesh_shape, args.seq)
     print(json.dumps(r, indent=2) if args.json else format_report(args.source, r))
     return 0

@@ -32,6 +32,19 @@ DEFAULT_PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+# Activations (models/logical.py names them): tokens are split over every data-parallel axis, the
+# expert axis included (EP ranks hold different tokens; models/expert_parallel.py exchanges them), and
+# the sequence over 'context'. "experts" is the expert dimension of MoE weights as seen by the
+# expert-parallel shard_map: it must name the same axis as DEFAULT_PARAM_RULES["experts"].
+DEFAULT_ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp", "expert"),
+    "seq": "context",
+    "embed": None,
+    "vocab": "tensor",
+    "experts": "expert",
+}
+
+
 def _as_tuple(mesh_axes) -> tuple[str, ...]:
     if mesh_axes is None:
         return ()

@@ -13,10 +13,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.context_parallel import ContextParallelMask, balanced_order, inverse_order
 from models.layers import RMSNorm, dense, param
+from models.logical import active_mesh_axes, batch_axes
 from models.rope import apply_rope
 
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) stay NaN-free
@@ -35,14 +39,15 @@ def attention_mask(segment_ids: jnp.ndarray | None, batch: int, seq: int) -> jnp
 
 
 def dot_product_attention(q, k, v, mask, scale, causal_block: int | None = None):
-    """softmax(q k^T * scale + mask) v with fp32 softmax. q,k: [B,S,H,Dqk], v: [B,S,H,Dv];
-    mask: [B or 1, 1, S, S] boolean (True = attend).
+    """softmax(q k^T * scale + mask) v with fp32 softmax. q: [B,Sq,H,Dqk], k: [B,Sk,H,Dqk], v: [B,Sk,H,Dv];
+    mask: [B or 1, 1, Sq, Sk] boolean (True = attend).
 
     causal_block: promise that `mask` allows nothing above the diagonal (true of `attention_mask`), so
     query block i (of this many rows) only needs keys [0, (i + 1) * causal_block): ~(1 + 1/n)/2 of the
     scores work for n blocks. The result is the same either way."""
     seq = q.shape[1]
-    block = causal_block if causal_block and seq % causal_block == 0 else seq
+    square = seq == k.shape[1]
+    block = causal_block if causal_block and square and seq % causal_block == 0 else seq
     bias = jnp.where(mask, jnp.float32(0), jnp.float32(_NEG_INF))
     return _attention(q, k, v, bias, scale, block)
 
@@ -57,8 +62,10 @@ def _attention(q, k, v, bias, scale, block):
     return _attention_fwd(q, k, v, bias, scale, block)[0]
 
 
-def _blocks(seq, block):
-    """(query slice, number of keys it can see) per query block."""
+def _blocks(seq, block, num_keys):
+    """(query slice, number of keys it can see) per query block; one block sees all `num_keys` keys."""
+    if block >= seq:
+        return [(slice(0, seq), num_keys)]
     return [(slice(i, i + block), i + block) for i in range(0, seq, block)]
 
 
@@ -67,7 +74,7 @@ def _attention_fwd(q, k, v, bias, scale, block):
     # broadcast [B, H, S, S] constant (a 64 MB write and two reads per layer at the small preset).
     q = q * jnp.asarray(scale, q.dtype)
     outs, probs = [], []
-    for rows, keys in _blocks(q.shape[1], block):
+    for rows, keys in _blocks(q.shape[1], block, k.shape[1]):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k[:, :keys],
                             preferred_element_type=jnp.float32) + bias[:, :, rows, :keys]
         p = jax.nn.softmax(scores, axis=-1)
@@ -79,12 +86,12 @@ def _attention_fwd(q, k, v, bias, scale, block):
 
 def _attention_bwd(scale, block, res, dout):
     q, k, v, probs, out = res  # q already scaled
-    seq = q.shape[1]
+    seq, num_keys = q.shape[1], k.shape[1]
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
     dq, dk, dv = [], jnp.zeros_like(k), jnp.zeros_like(v)
-    for (rows, keys), p in zip(_blocks(seq, block), probs, strict=True):
+    for (rows, keys), p in zip(_blocks(seq, block, num_keys), probs, strict=True):
         do = dout[:, rows]
-        pad = ((0, 0), (0, seq - keys), (0, 0), (0, 0))
+        pad = ((0, 0), (0, num_keys - keys), (0, 0), (0, 0))
         dv = dv + jnp.pad(jnp.einsum("bhqk,bqhd->bkhd", p.astype(v.dtype), do), pad)
         dprobs = jnp.einsum("bqhd,bkhd->bhqk", do, v[:, :keys], preferred_element_type=jnp.float32)
         dscores = (p * (dprobs - delta[:, :, rows, None])).astype(q.dtype)
@@ -134,18 +141,72 @@ class MLAttention(nnx.Module):
         k_rope = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, cfg.rope_interleave)
         return latent, k_rope
 
-    def __call__(self, x, cos, sin, mask):
+    def expand(self, latent, k_rope):
+        """Per-head keys [B,S,H,qk_head_dim] and values [B,S,H,v_head_dim] from the cache entry."""
         cfg = self.cfg
-        q = self.queries(x)
-        q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
-        q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-        latent, k_rope = self.latents(x, cos, sin)
-        kv = jnp.einsum("bsr,rhk->bshk", latent, self.kv_b_proj[...].astype(x.dtype))
+        kv = jnp.einsum("bsr,rhk->bshk", latent, self.kv_b_proj[...].astype(latent.dtype))
         k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
         heads = cfg.num_attention_heads
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], heads, k_rope.shape[-1]))
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        return jnp.concatenate([k_nope, k_rope], axis=-1), v
+
+    def roped_queries(self, x, cos, sin):
+        cfg = self.cfg
+        q = self.queries(x)
+        q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        return jnp.concatenate([q_nope, apply_rope(q_rope, cos, sin, cfg.rope_interleave)], axis=-1)
+
+    def __call__(self, x, cos, sin, mask):
+        if isinstance(mask, ContextParallelMask):
+            return self._context_parallel(x, cos, sin, mask)
+        cfg = self.cfg
+        q = self.roped_queries(x, cos, sin)
+        k, v = self.expand(*self.latents(x, cos, sin))
         # `mask` comes from attention_mask: causal, so key blocks above the diagonal can be skipped
         out = dot_product_attention(q, k, v, mask, cfg.softmax_scale, causal_block=_CAUSAL_BLOCK)
         return jnp.einsum("bshv,hvd->bsd", out, self.o_proj[...].astype(x.dtype))
+
+    def _context_parallel(self, x, cos, sin, cp_mask: ContextParallelMask):
+        """MLA under context parallelism (Composer 2 sec. 6), exact.
+
+        x is this rank's two chunks (i and 2CP-1-i, see models/context_parallel.py). Each rank computes
+        its queries and its tokens' KV latents; only the latents (kv_lora_rank + rope dims per token, not
+        per head) are all-gathered over the CP axis; every rank then up-projects the whole sequence's
+        latents with the (replicated, small) kv_b_proj. Because the layout is balanced, a static bound
+        holds on every rank: chunk i < CP needs only the first CP chunks of keys, chunk 2CP-1-i needs all,
+        so 3/4 of the full [S/CP, S] score block is computed, the same on every rank."""
+        cfg = self.cfg
+        mesh, cp_axes = active_mesh_axes("seq")
+        cp_axis = cp_axes[0] if len(cp_axes) == 1 else cp_axes
+        cp = int(np.prod([mesh.shape[a] for a in cp_axes]))
+        tok_batch = tuple(a for a in batch_axes() if a not in cp_axes) or None
+        seq = x.shape[1]
+        chunk = seq // (2 * cp)
+        inverse = jnp.asarray(inverse_order(balanced_order(seq, cp)))
+        graphdef, params = nnx.split(self)
+        has_segments = cp_mask.segment_ids is not None
+
+        def local(params, x, cos, sin, segments, q_index):
+            attn = nnx.merge(graphdef, params)
+            q = attn.roped_queries(x, cos, sin)
+            gather = lambda a: jax.lax.all_gather(a, cp_axis, axis=1, tiled=True)[:, inverse]
+            k, v = attn.expand(*(gather(a) for a in attn.latents(x, cos, sin)))  # original order
+            key_segments = gather(segments) if has_segments else None
+
+            def part(rows, num_keys):
+                allowed = (jnp.arange(num_keys)[None, :] <= q_index[rows, None])[None, None]
+                if has_segments:
+                    same = segments[:, rows, None] == key_segments[:, None, :num_keys]
+                    allowed = allowed & same[:, None]
+                return dot_product_attention(q[:, rows], k[:, :num_keys], v[:, :num_keys], allowed,
+                                             cfg.softmax_scale)
+
+            out = jnp.concatenate([part(slice(0, chunk), cp * chunk), part(slice(chunk, 2 * chunk), seq)], 1)
+            return jnp.einsum("bshv,hvd->bsd", out, attn.o_proj[...].astype(x.dtype))
+
+        tokens = P(tok_batch, cp_axis, None)
+        fn = jax.shard_map(local, mesh=mesh, check_vma=False,
+                           in_specs=(P(), tokens, tokens, tokens, P(tok_batch, cp_axis) if has_segments else None,
+                                     P(cp_axis)),
+                           out_specs=tokens)
+        return fn(params, x, cos, sin, cp_mask.segment_ids, cp_mask.seq_index)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 MOE_IMPLS = ("sorted", "ragged", "dense")
+MOE_EP_IMPLS = ("allgather", "ragged_a2a")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 SCORING_FUNCS = ("sigmoid", "softmax")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -91,8 +92,14 @@ class ModelConfig:
     # capacity buckets of moe_impl="sorted" (x the balanced load; T is always appended, so nothing drops).
     # 1.5 is there because a randomly initialised router already loads its busiest expert ~1.35x.
     moe_capacity_factors: tuple[float, ...] = (1.25, 1.5, 2.0)
+    # token exchange under expert parallelism (models/expert_parallel.py): "allgather" runs everywhere;
+    # "ragged_a2a" (jax.lax.ragged_all_to_all) needs a GPU/TPU, XLA:CPU does not implement it
+    moe_ep_impl: str = "allgather"
     scan_layers: bool = True
     remat_policy: str = "none"
+    # router replay plausibility filter (Composer 2 sec. 5): a replayed expert whose live gating score is
+    # below this ratio x the weakest score of the trainer's own top-k is replaced; 0 keeps every replayed id
+    router_replay_filter_ratio: float = 0.0
 
     def __post_init__(self):
         def positive(name):
@@ -143,6 +150,8 @@ class ModelConfig:
             raise ConfigError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.moe_ep_impl not in MOE_EP_IMPLS:
+            raise ConfigError(f"moe_ep_impl must be one of {MOE_EP_IMPLS}, got {self.moe_ep_impl!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         for name in ("dtype", "param_dtype"):
@@ -156,6 +165,8 @@ class ModelConfig:
             raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
             raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        if not 0.0 <= self.router_replay_filter_ratio <= 1.0:
+            raise ConfigError(f"router_replay_filter_ratio must be in [0, 1], got {self.router_replay_filter_ratio}")
 
     # derived quantities -------------------------------------------------------------------------
     @property

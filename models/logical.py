@@ -41,3 +41,24 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         raise ValueError(f"logical axes {axes} do not match an array of rank {x.ndim}")
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition_spec(axes, rules)))
+
+
+def active_mesh_axes(name: str) -> tuple[Mesh, tuple[str, ...]] | None:
+    """(mesh, the mesh axes of size > 1 that logical axis `name` maps to), or None when there are none.
+
+    Layers that need explicit collectives (expert and context parallelism under `jax.shard_map`) ask
+    this instead of naming mesh axes themselves, so the model stays mesh-agnostic."""
+    active = _RULES.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    target = rules.get(name)
+    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    return (mesh, axes) if axes else None
+
+
+def batch_axes() -> tuple[str, ...]:
+    """Mesh axes (size > 1) that shard the batch dimension of activations, under the active rules."""
+    found = active_mesh_axes("batch")
+    return () if found is None else found[1]

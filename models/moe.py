@@ -24,6 +24,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import MLP, RouterBias, param, swiglu_act_grads
+from models.logical import active_mesh_axes
 
 
 class Routing(NamedTuple):
@@ -41,7 +42,9 @@ def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.nda
     with n_group > 1 only the topk_group groups with the largest top-2 sums of (s + b) are eligible.
     Weights g = s[selected], renormalised to sum 1 if norm_topk_prob, then times routed_scaling_factor.
     With `replay_ids` (router replay for RL) the selection is taken as given and only g is recomputed
-    from the live scores, so gradients still reach the router.
+    from the live scores, so gradients still reach the router; with cfg.router_replay_filter_ratio > 0
+    implausible replayed experts are first swapped for the trainer's own (`_plausible_replay`), and the
+    returned expert_ids are the ones actually used (compare them with replay_ids for the firing rate).
     """
     logits = jnp.einsum("td,de->te", x.astype(jnp.float32), w_router.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, -1)
@@ -61,6 +64,9 @@ def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.nda
         if replay_ids.shape != (x.shape[0], k):
             raise ValueError(f"replay_ids shape {replay_ids.shape} != (tokens, top_k) {(x.shape[0], k)}")
         expert_ids = replay_ids
+        if cfg.router_replay_filter_ratio > 0:
+            expert_ids = _plausible_replay(scores, scores + bias.astype(jnp.float32), replay_ids.astype(jnp.int32),
+                                           k, cfg.router_replay_filter_ratio)
     expert_ids = expert_ids.astype(jnp.int32)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if cfg.norm_topk_prob:
@@ -68,6 +74,26 @@ def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.nda
     weights = weights * cfg.routed_scaling_factor
     counts = jnp.zeros((num_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(1)
     return Routing(expert_ids, weights, counts, logits)
+
+
+def _plausible_replay(scores, choice, replay_ids, k: int, ratio: float) -> jnp.ndarray:
+    """Router replay plausibility filter (Composer 2 sec. 5; threshold form of prime-rl PR #2703).
+
+    Keep replayed expert e of token t iff s[t, e] >= ratio * min_{j in topk_t} s[t, j], where topk_t is the
+    trainer's own top-k by the selection score s + b. Each rejected slot takes, in rank order, the best
+    trainer candidate not already among the kept replayed experts, so the k ids stay distinct.
+    """
+    scores, choice = jax.lax.stop_gradient(scores), jax.lax.stop_gradient(choice)
+    _, own = jax.lax.top_k(choice, k)  # [T, k], best first
+    threshold = ratio * jnp.take_along_axis(scores, own, axis=-1).min(-1, keepdims=True)
+    keep = jnp.take_along_axis(scores, replay_ids, axis=-1) >= threshold
+    kept_ids = jnp.where(keep, replay_ids, -1)
+    free = ~(own[:, :, None] == kept_ids[:, None, :]).any(-1)  # trainer candidates still available
+    drop_rank = jnp.cumsum(~keep, axis=-1) - 1
+    free_rank = jnp.cumsum(free, axis=-1) - 1
+    match = (~keep)[:, :, None] & free[:, None, :] & (drop_rank[:, :, None] == free_rank[:, None, :])
+    backfill = jnp.sum(jnp.where(match, own[:, None, :], 0), axis=-1)
+    return jnp.where(keep, replay_ids, backfill)
 
 
 def _swiglu_experts(h: jnp.ndarray, gate_up: jnp.ndarray, down: jnp.ndarray) -> jnp.ndarray:
@@ -148,42 +174,46 @@ class _Plan(NamedTuple):
     rank: jnp.ndarray  # [T*k] position of each assignment among its expert's
 
 
-def _plan(expert_ids: jnp.ndarray, num_experts: int) -> _Plan:
-    flat, order, counts, starts = _sort_assignments(expert_ids, num_experts)
+def _plan(expert_ids: jnp.ndarray, num_experts: int, discard: bool = False) -> _Plan:
+    """With `discard`, id `num_experts` marks an assignment that is not this device's (expert parallelism):
+    it is sorted into an extra last group that owns no buffer rows and contributes zero."""
+    flat, order, counts, starts = _sort_assignments(expert_ids, num_experts + int(discard))
     rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
     rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
     return _Plan(order, starts, counts, flat, rank)
 
 
-def _slots(plan: _Plan, capacity: int):
-    """slot [T*k]: buffer row of each assignment; src [E*C]: assignment in each row (T*k if empty)."""
+def _slots(plan: _Plan, capacity: int, num_experts: int):
+    """slot [T*k]: buffer row of each assignment (E*C, one past the end, if discarded); src [E*C]:
+    assignment in each row (T*k if empty)."""
     num_assign = plan.order.shape[0]
-    slot = plan.flat * capacity + plan.rank
+    slot = jnp.where(plan.flat < num_experts, plan.flat * capacity + plan.rank, num_experts * capacity)
     c = jnp.arange(capacity, dtype=jnp.int32)
-    pos = plan.starts[:, None] + c[None, :]
+    pos = plan.starts[:num_experts, None] + c[None, :]
     held = plan.order[jnp.minimum(pos, num_assign - 1)]
-    src = jnp.where(c[None, :] < plan.counts[:, None], held, num_assign)
+    src = jnp.where(c[None, :] < plan.counts[:num_experts, None], held, num_assign)
     return slot, src.reshape(-1)
 
 
-def _experts_fwd_at(capacity, x, weights, gate_up, down, plan):
+def _experts_fwd_at(capacity, discard, x, weights, gate_up, down, plan):
     num_tokens, k = weights.shape
     num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
-    slot, src = _slots(plan, capacity)
+    slot, src = _slots(plan, capacity, num_experts)
+    pad = _pad_row if discard else (lambda a: a)  # discarded assignments read the appended zero row
     h = _take(_pad_row(x), src // k).reshape(num_experts, capacity, d)  # empty rows: src // k == T
     gu = jnp.einsum("ecd,edg->ecg", h, gate_up)
     act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
     out = jnp.einsum("ecf,efd->ecd", act, down).reshape(num_experts * capacity, d)
-    out_a = _take(out, slot)  # [T*k, d], assignment order
-    gu_a = _take(gu.reshape(num_experts * capacity, 2 * f), slot)
+    out_a = _take(pad(out), slot)  # [T*k, d], assignment order
+    gu_a = _take(pad(gu.reshape(num_experts * capacity, 2 * f)), slot)
     y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
     return y, gu_a, out_a
 
 
-def _experts_bwd_at(capacity, x, weights, gate_up, down, plan, gu_a, out_a, dy):
+def _experts_bwd_at(capacity, discard, x, weights, gate_up, down, plan, gu_a, out_a, dy):
     num_tokens, k = weights.shape
     num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
-    slot, src = _slots(plan, capacity)
+    slot, src = _slots(plan, capacity, num_experts)
     tok = src // k
     dweights = jnp.einsum("tkd,td->tk", out_a.reshape(num_tokens, k, d), dy)
     row_weight = _take(_pad_row(weights.reshape(-1)), src)  # 0 on empty rows
@@ -197,32 +227,33 @@ def _experts_bwd_at(capacity, x, weights, gate_up, down, plan, gu_a, out_a, dy):
     dgu = jnp.concatenate([dgate, dup], axis=-1)
     dgate_up = jnp.einsum("ecd,ecg->edg", h, dgu)
     dh = jnp.einsum("ecg,edg->ecd", dgu, gate_up).reshape(num_experts * capacity, d)
-    dx = _take(dh, slot).reshape(num_tokens, k, d).sum(1)  # each token's k rows
+    dx = _take(_pad_row(dh) if discard else dh, slot).reshape(num_tokens, k, d).sum(1)  # each token's k rows
     return dx, dweights, dgate_up, ddown
 
 
-def _bucket_index(buckets, counts):
-    index = jnp.searchsorted(jnp.asarray(buckets), jnp.max(counts), side="left")
+def _bucket_index(buckets, counts, num_experts):
+    index = jnp.searchsorted(jnp.asarray(buckets), jnp.max(counts[:num_experts]), side="left")
     return jnp.minimum(index, len(buckets) - 1)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sorted_experts(buckets, x, weights, gate_up, down, expert_ids):
-    return _sorted_experts_fwd(buckets, x, weights, gate_up, down, expert_ids)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sorted_experts(buckets, discard, x, weights, gate_up, down, expert_ids):
+    return _sorted_experts_fwd(buckets, discard, x, weights, gate_up, down, expert_ids)[0]
 
 
-def _sorted_experts_fwd(buckets, x, weights, gate_up, down, expert_ids):
-    plan = _plan(expert_ids, gate_up.shape[0])
-    branches = [partial(_experts_fwd_at, cap) for cap in buckets]
-    y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts), branches,
+def _sorted_experts_fwd(buckets, discard, x, weights, gate_up, down, expert_ids):
+    num_experts = gate_up.shape[0]
+    plan = _plan(expert_ids, num_experts, discard)
+    branches = [partial(_experts_fwd_at, cap, discard) for cap in buckets]
+    y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts, num_experts), branches,
                                     x, weights, gate_up, down, plan)
     return y, (x, weights, gate_up, down, plan, gu_a, out_a)
 
 
-def _sorted_experts_bwd(buckets, res, dy):
+def _sorted_experts_bwd(buckets, discard, res, dy):
     x, weights, gate_up, down, plan, gu_a, out_a = res
-    branches = [partial(_experts_bwd_at, cap) for cap in buckets]
-    grads = jax.lax.switch(_bucket_index(buckets, plan.counts), branches,
+    branches = [partial(_experts_bwd_at, cap, discard) for cap in buckets]
+    grads = jax.lax.switch(_bucket_index(buckets, plan.counts, gate_up.shape[0]), branches,
                            x, weights, gate_up, down, plan, gu_a, out_a, dy.astype(x.dtype))
     return (*grads, None)
 
@@ -230,11 +261,20 @@ def _sorted_experts_bwd(buckets, res, dy):
 _sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
 
 
-def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down):
-    """Dropless sort + capacity-bucketed batched einsum (see module docstring)."""
+def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_expert=None):
+    """Dropless sort + capacity-bucketed batched einsum (see module docstring).
+
+    With `first_expert` (expert parallelism), `gate_up`/`down` hold only experts
+    [first_expert, first_expert + E_local) and assignments to other experts contribute zero."""
     buckets = capacity_buckets(cfg, x.shape[0])
-    return _sorted_experts(buckets, x, routing.weights.astype(x.dtype), gate_up.astype(x.dtype),
-                           down.astype(x.dtype), routing.expert_ids)
+    ids = routing.expert_ids
+    discard = first_expert is not None
+    if discard:
+        num_local = gate_up.shape[0]
+        local = ids - first_expert
+        ids = jnp.where((local >= 0) & (local < num_local), local, num_local).astype(jnp.int32)
+    return _sorted_experts(buckets, discard, x, routing.weights.astype(x.dtype), gate_up.astype(x.dtype),
+                           down.astype(x.dtype), ids)
 
 
 class MoE(nnx.Module):
@@ -255,10 +295,19 @@ class MoE(nnx.Module):
         """x: [B, S, d]. Returns (y [B, S, d], Routing over the B*S tokens)."""
         cfg = self.cfg
         batch, seq, d = x.shape
+        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        if active_mesh_axes("experts") is not None:
+            # imported here: models.expert_parallel builds on this module's route and dispatch
+            from models.expert_parallel import moe_expert_parallel
+
+            y, routing = moe_expert_parallel(cfg, x, self.gate[...], self.e_score_correction_bias[...],
+                                             gate_up, down, replay_ids)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x)
+            return y, routing
         flat = x.reshape(batch * seq, d)
         replay = None if replay_ids is None else replay_ids.reshape(batch * seq, -1)
         routing = route(cfg, flat, self.gate[...], self.e_score_correction_bias[...], replay)
-        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
         if cfg.moe_impl == "dense":
             y = dispatch_dense(flat, routing, gate_up, down)
         elif cfg.moe_impl == "ragged":

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import MLAttention, attention_mask
 from models.config import ModelConfig
+from models.context_parallel import ContextParallelMask, balanced_order, context_parallel_size, inverse_order
 from models.layers import MLP, RMSNorm, dense, lm_head_cross_entropy, param
 from models.logical import constrain
 from models.moe import MoE
@@ -155,9 +156,20 @@ class Transformer(nnx.Module):
         batch, seq = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        cp = context_parallel_size()
+        order = inverse = None
+        if cp > 1:
+            # run every layer in the balanced context-parallel order; outputs are un-permuted below
+            order = balanced_order(seq, cp)
+            inverse = inverse_order(order)
+            positions = positions[:, order]
+            segment_ids = None if segment_ids is None else segment_ids[:, order]
+            replay_ids = None if replay_ids is None else replay_ids[:, :, order]
+            mask = ContextParallelMask(segment_ids, jnp.asarray(order, jnp.int32))
+        else:
+            mask = attention_mask(segment_ids, batch, seq)
         cos, sin = rope_tables(cfg, positions)
-        mask = attention_mask(segment_ids, batch, seq)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids if order is None else input_ids[:, order])
         if self.dense_layers is not None:
             x, _ = _run_stack(cfg, self.dense_layers, cfg.num_dense_layers, x, cos, sin, mask, None)
         expert_ids = counts = router_logits = None
@@ -168,10 +180,17 @@ class Transformer(nnx.Module):
                 cfg, self.moe_layers, cfg.num_moe_layers, x, cos, sin, mask, replay_ids)
             expert_ids = expert_ids.reshape(cfg.num_moe_layers, batch, seq, -1)
             router_logits = router_logits.reshape(cfg.num_moe_layers, batch, seq, -1)
-        mtp_logits = self._mtp(input_ids, x, cos, sin, mask) if (self.mtp is not None and return_mtp) else None
+            if inverse is not None:
+                expert_ids, router_logits = expert_ids[:, :, inverse], router_logits[:, :, inverse]
+        mtp_logits = None
+        if self.mtp is not None and return_mtp:
+            mtp_logits = self._mtp(input_ids, x, cos, sin, mask, order)
+            mtp_logits = mtp_logits if inverse is None else mtp_logits[:, :, inverse]
+        if inverse is not None:
+            x = constrain(x[:, inverse], ("batch", "seq", "embed"))
         return ModelOutput(self.logits(x), x, expert_ids, counts, router_logits, mtp_logits)
 
-    def _mtp(self, input_ids, h, cos, sin, mask):
+    def _mtp(self, input_ids, h, cos, sin, mask, order=None):
         """h: the trunk's final hidden state before its output norm. Module j is fed the representation the
         head sees: the trunk's output after the final norm (j = 0), module j-1's output after its own norm
         (j > 0). This is what transformers' MtpModel and Megatron-LM do (and vLLM/SGLang for j = 0), i.e. the
@@ -184,6 +203,7 @@ class Transformer(nnx.Module):
             module = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
             # position t combines h_{j}(t) with the embedding of token t + j + 1; the tail has none
             shifted = jnp.where(jnp.arange(seq) < seq - j - 1, jnp.roll(input_ids, -(j + 1), axis=1), 0)
+            shifted = shifted if order is None else shifted[:, order]  # h and masks are in CP order
             e = module.enorm(self.embed(shifted))
             x = jnp.concatenate([e, module.hnorm(h)], axis=-1)
             x = dense(x, module.eh_proj[...])

@@ -1,7 +1,9 @@
-"""A pure, jitted next-token training step over the split model state.
+"""The pure, jitted pretraining step over the split model state.
 
-`TrainState` holds trainable parameters, non-trainable model state (router biases) and the optimizer
-state explicitly, so the optimizer can never touch the router bias (it only sees `params`).
+`TrainState` holds trainable parameters, non-trainable model state (router biases), the optimizer
+state and an RNG key explicitly, so the optimizer can never touch the router bias (it only sees
+`params`). A batch is a dict of [B, S] arrays `input_ids, targets, segment_ids, positions, loss_mask`
+(the c2jax.data schema), or [A, B, S] for A micro-batches of gradient accumulation.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from c2jax.train.losses import (
+    expert_load_stats,
+    masked_ce_sum,
+    mtp_distill_weights,
+    mtp_self_distillation,
+    z_loss_sum,
+)
 from models.transformer import Transformer
+
+BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
 
 
 class TrainState(NamedTuple):
@@ -21,11 +32,13 @@ class TrainState(NamedTuple):
     params: nnx.State  # nnx.Param leaves only
     model_state: nnx.State  # everything else (RouterBias)
     opt_state: optax.OptState
+    rng: jnp.ndarray | None = None  # raw key data (uint32), so checkpoints hold a plain array
 
 
-def init_train_state(model: Transformer, tx: optax.GradientTransformation):
+def init_train_state(model: Transformer, tx: optax.GradientTransformation, seed: int = 0):
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, model_state, tx.init(params))
+    rng = jax.random.key_data(jax.random.key(seed))
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, model_state, tx.init(params), rng)
 
 
 def update_router_bias(model_state: nnx.State, counts: jnp.ndarray, rate: float) -> nnx.State:
@@ -42,29 +55,120 @@ def update_router_bias(model_state: nnx.State, counts: jnp.ndarray, rate: float)
     return model_state
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate: float = 0.0):
-    """train_step(state, tokens [B, S+1]) -> (state, metrics): next-token CE on tokens[:, 1:], then
-    (if router_bias_rate > 0) the sign-rule router-bias update, outside the optimizer."""
+def as_batch(batch) -> dict[str, jnp.ndarray]:
+    """Accept the legacy `tokens [B, S + 1]` array (no packing, every target trained) or a batch dict."""
+    if isinstance(batch, dict):
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"batch is missing {missing}; expected keys {BATCH_KEYS}")
+        return {k: batch[k] for k in BATCH_KEYS}
+    tokens = jnp.asarray(batch)
+    inputs = tokens[..., :-1]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[-1], dtype=jnp.int32), inputs.shape)
+    return {"input_ids": inputs, "targets": tokens[..., 1:], "segment_ids": jnp.ones_like(inputs),
+            "positions": positions, "loss_mask": jnp.ones(inputs.shape, jnp.float32)}
 
-    def loss_fn(params, model_state, tokens):
+
+def _all_finite(tree) -> jnp.ndarray:
+    leaves = jax.tree.leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate: float = 0.0, *,
+                    z_loss: float = 0.0, mtp_weight: float = 0.0, train_mtp: bool = False,
+                    state_shardings=None, batch_sharding=None, donate: bool = False):
+    """train_step(state, batch) -> (state, metrics).
+
+    loss = sum_t m_t CE_t / sum_t m_t  +  z_loss * sum_t m_t lse_t^2 / sum_t m_t
+           + mtp_weight * sum_{j,t} w_jt KL_jt / sum_{j,t} w_jt           (if train_mtp)
+
+    All sums run over every micro-batch (a `lax.scan` when the batch is [A, B, S]), so accumulation is
+    exact. A step whose loss or gradients are not finite leaves the state unchanged (metrics["skipped"]).
+    The router-bias sign update runs after the optimizer step on the step's global expert counts.
+    """
+
+    def sums_fn(params, model_state, mb):
         model = nnx.merge(graphdef, params, model_state)
-        out = model(tokens[:, :-1], return_mtp=False)
-        # the fused head + loss: the [B, S, V] logits are never materialised for the backward
-        loss = model.token_losses(out.hidden, tokens[:, 1:]).mean()
-        return loss, out.expert_counts
+        out = model(mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"],
+                    return_mtp=train_mtp)
+        # the fused head + loss: the [B, S, V] logits are not materialised for CE's backward
+        ce_sum, tokens = masked_ce_sum(model.token_losses(out.hidden, mb["targets"]), mb["loss_mask"])
+        sums = {"ce": ce_sum, "tokens": tokens}
+        if z_loss > 0:
+            sums["z"] = z_loss_sum(out.logits, mb["loss_mask"])
+        if train_mtp and out.mtp_logits is not None:
+            sums["mtp_kl"], sums["mtp_w"], sums["mtp_agree"] = mtp_self_distillation(
+                out.logits, out.mtp_logits, mb["segment_ids"], mb["loss_mask"])
+        if out.expert_counts is not None:
+            sums["counts"] = out.expert_counts.astype(jnp.float32)
+        return sums
 
-    @jax.jit
-    def train_step(state: TrainState, tokens):
-        (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.model_state, tokens)
+    def objective(params, model_state, mb, norm):
+        sums = sums_fn(params, model_state, mb)
+        total = (sums["ce"] + z_loss * sums.get("z", 0.0)) / norm["tokens"]
+        if "mtp_kl" in sums:
+            total = total + mtp_weight * sums["mtp_kl"] / norm["mtp_w"]
+        return total, sums
+
+    def normalisers(params, micro):
+        """Global token and MTP-weight counts: they depend on the data only, so compute them first."""
+        tokens = jnp.sum(micro["loss_mask"].astype(jnp.float32))
+        norm = {"tokens": jnp.maximum(tokens, 1.0)}
+        if train_mtp and "mtp" in params:
+            depth = jax.tree.leaves(params["mtp"])[0].shape[0]
+            w = sum(jnp.sum(jax.vmap(lambda s, m, k=k: mtp_distill_weights(s, m, k))(
+                micro["segment_ids"], micro["loss_mask"])) for k in range(1, depth + 1))
+            norm["mtp_w"] = jnp.maximum(w, 1.0)
+        return norm
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        batch = as_batch(batch)
+        micro = batch if batch["input_ids"].ndim == 3 else jax.tree.map(lambda x: x[None], batch)
+        norm = normalisers(state.params, micro)
+
+        def accumulate(carry, mb):
+            (_, sums), grads = grad_fn(state.params, state.model_state, mb, norm)
+            return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+            sums_fn, state.params, state.model_state, jax.tree.map(lambda x: x[0], micro)))
+        (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micro)
+
+        ce = sums["ce"] / norm["tokens"]
+        loss = ce + z_loss * sums.get("z", 0.0) / norm["tokens"]
+        metrics = {"ce_loss": ce, "tokens": sums["tokens"], "grad_norm": optax.tree.norm(grads)}
+        if z_loss > 0:
+            metrics["z_loss"] = sums["z"] / norm["tokens"]
+        if "mtp_kl" in sums:
+            metrics["mtp_loss"] = sums["mtp_kl"] / norm["mtp_w"]
+            metrics["mtp_acceptance"] = sums["mtp_agree"] / norm["mtp_w"]
+            loss = loss + mtp_weight * metrics["mtp_loss"]
+        metrics["loss"] = loss
+        finite = jnp.isfinite(loss) & _all_finite(grads)
+
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         model_state = state.model_state
-        if counts is not None and router_bias_rate > 0:
-            model_state = update_router_bias(model_state, counts, router_bias_rate)
+        counts = sums.get("counts")
         if counts is not None:
-            load = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1)
-            metrics["max_expert_load"] = load.max() * counts.shape[-1]  # 1.0 = perfectly balanced
-        return TrainState(state.step + 1, params, model_state, opt_state), metrics
+            if router_bias_rate > 0:
+                model_state = update_router_bias(model_state, counts, router_bias_rate)
+            metrics.update(expert_load_stats(counts))
+            metrics["max_expert_load"] = metrics["expert_max_over_mean"].max()
+            bias = model_state["moe_layers"]["mlp"]["e_score_correction_bias"].get_value()
+            metrics["router_bias_norm"] = jnp.linalg.norm(bias.astype(jnp.float32))
 
-    return train_step
+        new = TrainState(state.step + 1, params, model_state, opt_state, state.rng)
+        # a non-finite step is skipped: every array of the state keeps its old value
+        kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        metrics["skipped"] = 1 - finite.astype(jnp.int32)
+        return kept, metrics
+
+    if state_shardings is not None:
+        return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, None), donate_argnums=(0,) if donate else ())
+    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+

@@ -42,6 +42,9 @@ class Limits:
     max_processes: int = 256
     file_size_bytes: int = 256 * 1024**2
     tmp_bytes: int = 256 * 1024**2  # size of the private tmpfs /tmp
+    # Added by the sandbox owner (defaults keep the contract above unchanged):
+    output_kill_bytes: int = 64 * 1024**2  # a command printing more than this (per stream) is killed
+    max_open_files: int = 1024
 
 
 class Sandbox(abc.ABC):

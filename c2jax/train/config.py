@@ -1,0 +1,146 @@
+"""`PretrainConfig`: one typed config for a continued-pretraining run (model, mesh, data, optimizer,
+phases, checkpoints, eval, logging), loaded from YAML plus dotted overrides like every c2jax config."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from c2jax.config import (
+    ConfigError,
+    MeshConfig,
+    _resolve_presets,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_yaml,
+)
+from models.config import ModelConfig, RopeScaling
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # final LR = lr * min_lr_ratio
+    schedule: Literal["wsd", "cosine", "constant"] = "wsd"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # WSD: the last fraction of the steps decays linearly to min LR
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    muon_beta: float = 0.95
+
+    def __post_init__(self):
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
+            raise ConfigError("lr must be > 0, min_lr_ratio and decay_fraction in [0, 1]")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ConfigError("warmup_steps and grad_clip must be >= 0")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    z_loss: float = 0.0  # weight of mean(logsumexp(router logits)^2)-style z-loss on the LM head
+    mtp_weight: float = 0.1  # weight of the MTP self-distillation KL
+    router_bias_rate: float = 1e-3  # DeepSeek-V3's gamma; 0 disables the bias update
+
+
+@dataclass(frozen=True)
+class PhaseConfig:
+    """One stage of the run. `seq_len`/`batch_size` of 0 keep the data config's value."""
+
+    name: str
+    steps: int
+    seq_len: int = 0
+    batch_size: int = 0
+    grad_accum: int = 1  # micro-batches per optimizer step
+    rope_scaling: RopeScaling | None = None  # e.g. YaRN for a long-context phase
+    data: str | None = None  # YAML file of a DataConfig to use in this phase (e.g. SFT data)
+    loss_mask: Literal["all", "completion"] | None = None  # None: the data config's
+    train_mtp: bool | None = None  # None: train MTP iff step >= mtp_init_step
+    reset_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.steps <= 0 or self.grad_accum <= 0 or self.seq_len < 0 or self.batch_size < 0:
+            raise ConfigError(f"phase {self.name}: steps and grad_accum must be > 0, seq_len/batch_size >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # save every N steps (and at every phase boundary and at the end)
+    keep_last: int = 3
+    keep_every: int = 0  # also keep every M-th step forever; 0: none
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 100
+    batches: int = 4  # batches per source per eval
+    codebase: str | None = None  # directory of code for the rolling-window NLL metric
+    codebase_window: int = 256
+    codebase_max_tokens: int = 65536
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    name: str = "cpt"
+    seed: int = 0
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: dict[str, Any] = field(default_factory=dict)  # a c2jax.data DataConfig, validated there
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    phases: tuple[PhaseConfig, ...] = (PhaseConfig(name="main", steps=100),)
+    mtp_init_step: int = 0  # MTP modules are (re)initialised from scratch here and trained after
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    init_from_hf: str | None = None  # a DeepseekV3-format directory to start from
+    export_hf: bool = False  # write <run>/hf at the end
+    log_every: int = 10
+    max_bad_steps: int = 3  # consecutive NaN/Inf steps before rolling back to the last checkpoint
+    progress: bool = True
+
+    def __post_init__(self):
+        if not self.phases:
+            raise ConfigError("phases: at least one phase is required")
+        names = [p.name for p in self.phases]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"phases: names must be unique, got {names}")
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    def phase_at(self, step: int) -> tuple[int, PhaseConfig, int]:
+        """(index, phase, first step of that phase) for global step `step` (0-based)."""
+        start = 0
+        for i, phase in enumerate(self.phases):
+            if step < start + phase.steps:
+                return i, phase, start
+            start += phase.steps
+        return len(self.phases) - 1, self.phases[-1], start - self.phases[-1].steps
+
+
+def load_pretrain_config(source: str | os.PathLike, overrides: Sequence[str] = ()) -> PretrainConfig:
+    """YAML file of a PretrainConfig (with `model: {preset: NAME, ...}`) plus dotted overrides."""
+    if not Path(source).is_file():
+        raise ConfigError(f"{source}: no such config file")
+    data = _resolve_presets(apply_overrides(load_yaml(source), overrides))
+    return from_dict(PretrainConfig, data)
+
+
+def save_resolved(cfg: PretrainConfig, directory: str | os.PathLike) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return dump_yaml(cfg, directory / "config.yaml")

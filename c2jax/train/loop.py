@@ -1,0 +1,271 @@
+"""The pretraining run: phases, MTP initialisation, eval, checkpoints, NaN rollback, logging.
+
+Side effects live here; the math is in step.py / losses.py. A batch source is any iterator of batch
+dicts with Grain-style `get_state()` / `set_state()`; by default it is built by c2jax.data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from c2jax.train.checkpoint import Checkpointer
+from c2jax.train.config import PhaseConfig, PretrainConfig, save_resolved
+from c2jax.train.evaluate import codebase_nll, eval_loss, make_eval_step, read_codebase
+from c2jax.train.metrics import MetricsWriter, device_peak_flops, measure_peak_flops
+from c2jax.train.optim import make_optimizer
+from c2jax.train.step import TrainState, init_train_state, make_train_step
+from models.config import ModelConfig
+from models.flops import training_flops_per_token
+from models.transformer import Transformer, init
+
+BatchSource = Callable[[PretrainConfig, PhaseConfig, str], Iterator[dict]]
+
+
+def data_batches(cfg: PretrainConfig, phase: PhaseConfig, split: str) -> Iterator[dict]:
+    """The c2jax.data pipeline for this phase (its own data file and loss mask if it names them)."""
+    from c2jax.config import from_dict, load_yaml
+    from c2jax.data.config import DataConfig
+    from c2jax.data.pipeline import build_batches
+
+    data = dict(load_yaml(phase.data)) if phase.data else dict(cfg.data)
+    if phase.loss_mask is not None:
+        data["loss_mask"] = phase.loss_mask
+    return build_batches(from_dict(DataConfig, data, "data"), split, seq_len=phase.seq_len or None,
+                         batch_size=phase.batch_size or None)
+
+
+def data_eval_sources(cfg: PretrainConfig, phase: PhaseConfig) -> Mapping[str, Callable[[], Iterator[dict]]]:
+    from c2jax.config import from_dict
+    from c2jax.data.config import DataConfig
+    from c2jax.data.pipeline import eval_sources
+
+    sources = eval_sources(from_dict(DataConfig, dict(cfg.data), "data"), seq_len=phase.seq_len or None,
+                           batch_size=phase.batch_size or None)  # fresh one-pass iterators per eval
+    return {name: (lambda it=it: it) for name, it in sources.items()}
+
+
+def phase_model_config(cfg: PretrainConfig, phase: PhaseConfig) -> ModelConfig:
+    model = cfg.model
+    if phase.rope_scaling is not None:
+        model = model.replace(rope_scaling=phase.rope_scaling)
+    return model
+
+
+def _stack(batches: list[dict]) -> dict:
+    if len(batches) == 1:
+        return batches[0]
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+def reinit_mtp(state: TrainState, tx, model_cfg: ModelConfig, seed: int) -> TrainState:
+    """Fresh MTP parameters (a new init, seeded from the run seed and step) and fresh optimizer state for
+    them; every other parameter and optimizer leaf is kept."""
+    fresh_model = init(model_cfg, seed=seed + 7919 + int(state.step))
+    _, fresh_params, _ = nnx.split(fresh_model, nnx.Param, ...)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, old, new: new if _under_mtp(p) else old, state.params, fresh_params)
+    fresh_opt = tx.init(params)
+    opt_state = jax.tree_util.tree_map_with_path(
+        lambda p, old, new: new if _under_mtp(p) else old, state.opt_state, fresh_opt)
+    return state._replace(params=params, opt_state=opt_state)
+
+
+def _under_mtp(path) -> bool:
+    return any(getattr(k, "key", None) == "mtp" for k in path)
+
+
+class Trainer:
+    def __init__(self, cfg: PretrainConfig, batches: BatchSource = data_batches,
+                 eval_sources: Callable[[PretrainConfig, PhaseConfig], Mapping] | None = data_eval_sources,
+                 tensorboard: bool = True):
+        self.cfg, self.batches, self.eval_sources = cfg, batches, eval_sources
+        self.run_dir = cfg.run_dir
+        save_resolved(cfg, self.run_dir)
+        self.writer = MetricsWriter(self.run_dir, tensorboard=tensorboard)
+        self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.total_steps)
+        model = self._initial_model()
+        self.graphdef, state = init_train_state(model, self.tx, seed=cfg.seed)
+        self.has_mtp = model.mtp is not None
+        self.mesh = self.state_shardings = None
+        if cfg.mesh.num_devices > 1:
+            state = self._shard(state)
+        self.state = state
+        self.meta: dict[str, Any] = {"phase": 0, "data_state": None, "mtp_initialized": False,
+                                     "skipped_total": 0, "rollbacks": 0}
+        self._steps: dict[tuple, Callable] = {}
+        self.losses: list[float] = []
+
+    def _initial_model(self) -> Transformer:
+        cfg = self.cfg
+        if cfg.init_from_hf:
+            from models import hf
+
+            return hf.from_pretrained(cfg.init_from_hf, mtp="auto", dtype=None, **{
+                k: getattr(cfg.model, k) for k in ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_dtype")})
+        return init(cfg.model, seed=cfg.seed)
+
+    def _shard(self, state: TrainState) -> TrainState:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from c2jax.mesh import make_mesh, shard_state
+
+        self.mesh = make_mesh(self.cfg.mesh)
+        params, model_state = shard_state(state.params, self.mesh), shard_state(state.model_state, self.mesh)
+        opt_state = jax.jit(self.tx.init)(params)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        state = TrainState(jax.device_put(state.step, replicated), params, model_state, opt_state,
+                           jax.device_put(state.rng, replicated))
+        self.state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        return state
+
+    def _batch_sharding(self, phase: PhaseConfig):
+        """Rows split over the data-parallel axes; the micro-batch axis of accumulation is not split."""
+        if self.mesh is None:
+            return None
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        axes = tuple(a for a in ("data", "fsdp", "expert") if self.mesh.shape[a] > 1) or None
+        return NamedSharding(self.mesh, PartitionSpec(None, axes) if phase.grad_accum > 1 else PartitionSpec(axes))
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def train_step(self, phase: PhaseConfig, train_mtp: bool):
+        key = (phase.name, train_mtp)
+        if key not in self._steps:
+            graphdef = nnx.split(nnx.eval_shape(lambda: init(phase_model_config(self.cfg, phase))),
+                                 nnx.Param, ...)[0]
+            loss = self.cfg.loss
+            self._steps[key] = make_train_step(
+                graphdef, self.tx, loss.router_bias_rate, z_loss=loss.z_loss, mtp_weight=loss.mtp_weight,
+                train_mtp=train_mtp, state_shardings=self.state_shardings,
+                batch_sharding=self._batch_sharding(phase), donate=True)
+        return self._steps[key]
+
+    def save(self) -> None:
+        state = self.state
+        if self.cfg.checkpoint.async_save and jax.default_backend() == "cpu":
+            # on CPU, Orbax's "device to host" copy can alias the device buffer, which the next (donating)
+            # step may overwrite while the background write is still running
+            state = jax.tree.map(jnp.copy, state)
+        self.ckpt.save(int(self.state.step), state, dict(self.meta))
+
+    def restore(self) -> bool:
+        found = self.ckpt.restore_latest(self.state)
+        if found is None:
+            return False
+        _, self.state, meta = found
+        self.meta.update(meta)
+        return True
+
+    def evaluate(self, phase: PhaseConfig) -> dict[str, float]:
+        cfg, out = self.cfg, {}
+        graphdef = nnx.split(nnx.eval_shape(lambda: init(phase_model_config(cfg, phase))), nnx.Param, ...)[0]
+        eval_step = make_eval_step(graphdef)
+        if self.eval_sources is not None:
+            for name, make in self.eval_sources(cfg, phase).items():
+                out[f"eval_loss/{name}"] = eval_loss(eval_step, self.state.params, self.state.model_state,
+                                                     make(), cfg.eval.batches)
+        if cfg.eval.codebase:
+            from c2jax.data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(cfg.data["tokenizer"])
+            tokens = read_codebase(cfg.eval.codebase, tok.encode, cfg.eval.codebase_max_tokens)
+            out.update(codebase_nll(eval_step, self.state.params, self.state.model_state, tokens,
+                                    cfg.eval.codebase_window))
+        return out
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to the end of the last phase (or for `stop_after` more steps). Resumes from the newest
+        good checkpoint in the run directory."""
+        cfg = self.cfg
+        self.restore()
+        start = int(self.state.step)
+        flops_token = {}
+        peak = device_peak_flops(jax.devices()[0]) or measure_peak_flops()
+        peak *= max(cfg.mesh.num_devices, 1)
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.total_steps, initial=start, desc=cfg.name, dynamic_ncols=True)
+        it, it_phase, bad = None, None, 0
+        last = time.perf_counter()
+        step = start
+        end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
+        while step < end:
+            index, phase, _ = cfg.phase_at(step)
+            if it is None or it_phase != index:
+                if it is not None:  # a phase boundary: checkpoint before the data changes
+                    self.meta.update(phase=index, data_state=None)
+                    self.save()
+                it = self.batches(cfg, phase, "train")
+                if self.meta.get("phase") == index and self.meta.get("data_state") is not None:
+                    it.set_state(self.meta["data_state"])
+                self.meta["phase"], it_phase = index, index
+            if self.has_mtp and step >= cfg.mtp_init_step and not self.meta["mtp_initialized"]:
+                self.state = reinit_mtp(self.state, self.tx, phase_model_config(cfg, phase), cfg.seed)
+                self.meta["mtp_initialized"] = True
+            train_mtp = self.has_mtp and (phase.train_mtp if phase.train_mtp is not None
+                                          else self.meta["mtp_initialized"])
+            batch = _stack([next(it) for _ in range(phase.grad_accum)])
+            self.state, metrics = self.train_step(phase, train_mtp)(self.state, batch)
+            self.meta["data_state"] = it.get_state()
+            skipped = int(metrics["skipped"])
+            bad = bad + 1 if skipped else 0
+            self.meta["skipped_total"] += skipped
+            if bad >= cfg.max_bad_steps:
+                data_state = self.meta["data_state"]
+                if self.restore():  # keep the data position: do not replay the batches that blew up
+                    self.meta["data_state"] = data_state
+                    self.meta["rollbacks"] += 1
+                bad, step = 0, int(self.state.step)
+                continue
+            step = int(self.state.step) if not skipped else step + 1
+            if skipped:
+                self.state = self.state._replace(step=self.state.step + 1)  # the batch is consumed
+            self.losses.append(float(metrics["loss"]))
+            seq = batch["input_ids"].shape[-1]
+            if step % cfg.log_every == 0 or step == end:
+                now = time.perf_counter()
+                tokens = float(np.prod(batch["input_ids"].shape))
+                if seq not in flops_token:
+                    flops_token[seq] = training_flops_per_token(phase_model_config(cfg, phase), seq, train_mtp)
+                host = {k: np.asarray(v) for k, v in metrics.items()}
+                elapsed = (now - last) / cfg.log_every
+                host.update(lr=float(self.schedule(step - 1)), phase=index, tokens_per_s=tokens / elapsed,
+                            skipped_total=self.meta["skipped_total"], rollbacks=self.meta["rollbacks"])
+                host["mfu"] = host["tokens_per_s"] * flops_token[seq] / peak
+                self.writer.write(step, host)
+                last = now
+            if cfg.eval.every and step % cfg.eval.every == 0 and self.eval_sources is not None:
+                self.writer.write(step, self.evaluate(phase), kind="eval")
+            if step % cfg.checkpoint.every == 0 or step == cfg.total_steps:
+                self.save()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{self.losses[-1]:.3f}", phase=phase.name)
+        if bar is not None:
+            bar.close()
+        self.ckpt.wait()
+        if cfg.export_hf and step == cfg.total_steps:
+            self.export_hf(self.run_dir / "hf")
+        return {"step": step, "losses": self.losses, "meta": self.meta}
+
+    def export_hf(self, path: Path) -> None:
+        from models import hf
+
+        model = nnx.merge(self.graphdef, self.state.params, self.state.model_state)
+        hf.save_pretrained(model, path)
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.writer.close()

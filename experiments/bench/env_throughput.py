@@ -1,0 +1,163 @@
+"""Environment-layer throughput: sandbox start-up, command latency and concurrency scaling.
+
+Definitions (docs/sandbox.md):
+- start: `SandboxPool.acquire` returning, i.e. the sandbox is ready to accept a command (workspace
+  mounted, cgroup made). The base snapshot is already cached (first acquire of a repo is excluded).
+- first command: wall time of the first `exec("true")` on a fresh sandbox (one bwrap start).
+- exec latency: `exec("true")` and `exec("python -c pass")` on a started sandbox.
+- sandboxes/s: acquire + exec("true") + close, back to back, over N worker threads.
+
+Sections are functions in SECTIONS taking a `Bench` and returning a dict of results; add tool-call
+latency or grading throughput by appending a function.
+
+    python -m experiments.bench.env_throughput [--repeats 200 --out runs/bench/env_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl.sandbox import Limits, SandboxPool, find_bwrap
+
+
+@dataclass
+class Bench:
+    pool: SandboxPool
+    repo: Path
+    repeats: int
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _ms_stats(xs: list[float]) -> dict[str, float]:
+    return {"p50_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * _pct(xs, 0.99), "n": len(xs)}
+
+
+def make_repo(root: Path, files: int = 200) -> Path:
+    """A sdist-sized synthetic Python package (files x ~2 KB)."""
+    repo = root / "repo"
+    for i in range(files):
+        p = repo / "pkg" / f"sub{i % 10}" / f"mod{i}.py"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("".join(f"def f{j}(x):\n    return x + {j}\n\n" for j in range(60)))
+    return repo
+
+
+def section_start(b: Bench) -> dict:
+    b.pool.acquire(b.repo).close()  # builds the snapshot: a one-off per repository
+    starts, firsts = [], []
+    for _ in range(b.repeats):
+        t = time.perf_counter()
+        s = b.pool.acquire(b.repo)
+        starts.append(time.perf_counter() - t)
+        firsts.append(s.exec("true").wall_s)
+        s.close()
+    return {"start": _ms_stats(starts), "first_command": _ms_stats(firsts), "mode": s.mode,
+            "cgroup_limited": s.cgroup_limited}
+
+
+def section_exec(b: Bench) -> dict:
+    out = {}
+    with b.pool.acquire(b.repo) as s:
+        for cmd, n in [("true", b.repeats), ("python -c pass", max(10, b.repeats // 10))]:
+            out[cmd] = _ms_stats([s.exec(cmd).wall_s for _ in range(n)])
+    return out
+
+
+def _throughput(b: Bench, workers: int, seconds: float) -> float:
+    done = 0
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            with b.pool.acquire(b.repo) as s:
+                s.exec("true")
+            with lock:
+                done += 1
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(workers) as ex:
+        for f in [ex.submit(worker) for _ in range(workers)]:
+            f.result()
+    return done / (time.perf_counter() - t)
+
+
+def section_scaling(b: Bench) -> dict:
+    cores = os.cpu_count() or 1
+    counts = sorted({1, 2, *[c for c in (4, 8, 16, 32) if c <= cores], cores})
+    return {f"{w}_workers": {"sandboxes_per_s": _throughput(b, w, seconds=3.0)} for w in counts}
+
+
+def section_launch_breakdown(b: Bench) -> dict:
+    """Host fork+exec, a minimal bwrap and our full exec, interleaved so machine load hits all alike."""
+    bwrap = find_bwrap()
+    minimal = [bwrap, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib",
+               "--symlink", "usr/lib64", "/lib64", "--", "/usr/bin/true"]
+    times: dict[str, list[float]] = {"host /usr/bin/true": [], "minimal bwrap true": [], "sandbox exec true": []}
+    with b.pool.acquire(b.repo) as s:
+        for _ in range(max(10, b.repeats // 4)):
+            for name, run in [("host /usr/bin/true", lambda: subprocess.run(["/usr/bin/true"])),
+                              ("minimal bwrap true", lambda: subprocess.run(minimal)),
+                              ("sandbox exec true", lambda: s.exec("true"))]:
+                t = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t)
+    return {k: _ms_stats(v) for k, v in times.items()}
+
+
+SECTIONS: list[Callable[[Bench], dict]] = [section_start, section_exec, section_launch_breakdown, section_scaling]
+
+
+def _print_table(results: dict) -> None:
+    rows = []
+    for sec, res in results.items():
+        if not isinstance(res, dict):
+            continue
+        for key, val in res.items():
+            if isinstance(val, dict):
+                rows.append((sec, key, ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in val.items())))
+            else:
+                rows.append((sec, key, str(val)))
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    for r in rows:
+        print(f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--out", default="runs/bench/env_throughput.json")
+    args = ap.parse_args()
+    results: dict = {"machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                                 "load_avg_1m_at_start": os.getloadavg()[0]}}
+    with tempfile.TemporaryDirectory(prefix="env-bench-") as tmp, SandboxPool(limits=Limits()) as pool:
+        bench = Bench(pool=pool, repo=make_repo(Path(tmp)), repeats=args.repeats)
+        for section in SECTIONS:
+            results[section.__name__.removeprefix("section_")] = section(bench)
+    results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+    _print_table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

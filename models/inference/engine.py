@@ -1,0 +1,284 @@
+"""Host-side inference engine: slot-based continuous batching over the jitted steps in `steps.py`.
+
+A fixed number of slots share one latent cache. Queued requests are prefilled into free slots between
+decode chunks; every chunk runs `chunk_steps` decode steps for all slots on device; finished sequences
+(EOS id, stop string, token budget) free their slot at the next chunk boundary. New weights can be swapped
+in between chunks without dropping in-flight sequences; each token carries the policy version that
+sampled it. Not thread-safe: one caller drives it (the HTTP server runs it on a worker thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.inference.forward import init_cache
+from models.inference.sampling import SamplingParams
+from models.inference.steps import SlotState, copy_row, decode_chunk, prefill_slot
+
+
+class ContextWindowExceeded(ValueError):
+    """prompt + max_new_tokens does not fit the engine's cache window (the harness may summarise)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    slots: int = 8  # sequences decoded together
+    max_len: int = 1024  # cache window per slot: prompt + generated tokens
+    chunk_steps: int = 8  # decode steps per host call (one lax.scan)
+    key_bucket: int = 64  # attention reads cache positions [0, k * key_bucket) for the smallest k that fits
+    min_prompt_bucket: int = 16  # prompts are padded to a power of two >= this
+    absorbed: bool = True  # absorbed-MLA decode; False: the expanded oracle
+
+    def __post_init__(self):
+        for name in ("slots", "max_len", "chunk_steps", "key_bucket", "min_prompt_bucket"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    stop_token_ids: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()  # checked on the detokenized completion (needs `detokenize`)
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]  # log softmax(logits / T) of each sampled token (see models.inference.sampling)
+    policy_versions: list[int]  # weight version that produced each token
+    expert_ids: np.ndarray | None  # [n, L_moe, k]: experts of the forward pass that produced token j
+    finish_reason: str  # "stop" | "length"
+    raw_logprobs: list[float] = field(default_factory=list)  # log softmax(logits) (no temperature)
+    prompt_expert_ids: np.ndarray | None = None  # [n_prompt, L_moe, k] experts of each prompt token
+
+
+@dataclass
+class _Live:
+    request: Request
+    result: GenerationResult
+    experts: list = field(default_factory=list)
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+class InferenceEngine:
+    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, *,
+                 config: EngineConfig = EngineConfig(), version: int = 0,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        self.cfg, self.graphdef, self.state, self.version = cfg, graphdef, state, version
+        self.config, self.detokenize = config, detokenize
+        self.cache = init_cache(cfg, config.slots, config.max_len)
+        b = config.slots
+        self._pending, self._lengths = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        self._remaining = np.zeros(b, np.int32)
+        self._slots: list[_Live | None] = [None] * b
+        self._live_ids: list[int | None] = [None] * b  # request id in each slot
+        self._queue: collections.deque[tuple[int, Request]] = collections.deque()
+        self._done: dict[int, GenerationResult] = {}
+        self._ids = itertools.count()
+        self._prefix: tuple[list[int], object, np.ndarray | None] | None = None
+
+    @classmethod
+    def from_model(cls, model: nnx.Module, **kwargs) -> InferenceEngine:
+        graphdef, state = nnx.split(model)
+        return cls(model.cfg, graphdef, state, **kwargs)
+
+    # weights ----------------------------------------------------------------------------------------
+    def swap_weights(self, state: nnx.State, version: int, *, recompute_cache: bool = True) -> None:
+        """Use `state` from the next chunk on. In-flight sequences continue. recompute_cache=True re-prefills
+        their history under the new weights, so what follows is exactly what a fresh engine on the new
+        weights would sample from the same prefix; False keeps the old-weight cache (cheaper, slightly stale,
+        as in PipelineRL's in-flight updates). A cached prompt prefix is recomputed either way."""
+        self.state, self.version = state, version
+        if self._prefix is not None:
+            self.set_prefix(self._prefix[0])
+        if not recompute_cache:
+            return
+        for slot, live in enumerate(self._slots):
+            if live is None:
+                continue
+            history = list(live.request.prompt_ids) + live.result.token_ids[:-1]
+            self._prefill(slot, history, 0, live.request)
+
+    # prompt caching ---------------------------------------------------------------------------------
+    def set_prefix(self, prefix_ids: Sequence[int]) -> None:
+        """Prefill a shared prefix (system prompt, tool specs) once; prompts starting with it reuse it."""
+        prefix = [int(t) for t in prefix_ids]
+        self._check_prompt(prefix, 0)
+        row = init_cache(self.cfg, 1, self.config.max_len)
+        out = self._run_prefill(row, 0, prefix, 0, Request(prefix, 1))
+        experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)[: len(prefix)]
+        self._prefix = (prefix, out.cache, experts)
+
+    # requests ---------------------------------------------------------------------------------------
+    def _check_prompt(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if len(prompt) + max_new_tokens > self.config.max_len:
+            raise ContextWindowExceeded(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the cache window "
+                f"of {self.config.max_len} tokens")
+
+    def submit(self, request: Request) -> int:
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {request.max_new_tokens}")
+        if not 0 < request.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {request.top_p}")
+        if request.top_k < 0 or request.temperature < 0:
+            raise ValueError("top_k and temperature must be >= 0")
+        if request.stop_strings and self.detokenize is None:
+            raise ValueError("stop_strings need the engine's detokenize callback")
+        self._check_prompt([int(t) for t in request.prompt_ids], request.max_new_tokens)
+        rid = next(self._ids)
+        self._queue.append((rid, request))
+        return rid
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue) or any(s is not None for s in self._slots)
+
+    def pop_result(self, rid: int) -> GenerationResult | None:
+        return self._done.pop(rid, None)
+
+    def generate(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        ids = [self.submit(r) for r in requests]
+        while any(i not in self._done for i in ids):
+            self.step()
+        return [self._done.pop(i) for i in ids]
+
+    def generate_tokens(self, prompt_ids: list[int], *, max_new_tokens: int, stop_token_ids: list[int],
+                        temperature: float = 1.0, seed: int = 0, top_p: float = 1.0,
+                        top_k: int = 0) -> GenerationResult:
+        return self.generate([Request(list(prompt_ids), max_new_tokens, tuple(stop_token_ids), (), temperature,
+                                      top_p, top_k, seed)])[0]
+
+    # scheduling -------------------------------------------------------------------------------------
+    def _sampling(self, requests: Sequence[Request | None]) -> SamplingParams:
+        reqs = [r or Request([0], 1, temperature=0.0) for r in requests]
+        return SamplingParams(jnp.asarray([r.temperature for r in reqs], jnp.float32),
+                              jnp.asarray([r.top_p for r in reqs], jnp.float32),
+                              jnp.asarray([r.top_k for r in reqs], jnp.int32),
+                              jnp.asarray([r.seed % (1 << 32) for r in reqs], jnp.uint32))
+
+    def _key_len(self, needed: int) -> int:
+        kb = self.config.key_bucket
+        return min(self.config.max_len, -(-needed // kb) * kb)
+
+    def _run_prefill(self, cache, slot: int, tokens: list[int], start: int, request: Request):
+        n = len(tokens)
+        bucket = _pow2_at_least(n, self.config.min_prompt_bucket)
+        padded = jnp.asarray([tokens + [0] * (bucket - n)], jnp.int32)
+        return prefill_slot(self.cfg, self.graphdef, self.state, cache, padded, jnp.int32(n), jnp.int32(slot),
+                            jnp.int32(start), self._sampling([request]), key_len=self._key_len(start + bucket))
+
+    def _prefill(self, slot: int, prompt: list[int], start: int, request: Request):
+        out = self._run_prefill(self.cache, slot, prompt[start:], start, request)
+        self.cache = out.cache
+        return out
+
+    def _admit(self, rid: int, request: Request, slot: int) -> None:
+        prompt = [int(t) for t in request.prompt_ids]
+        start, prefix_experts = 0, None
+        if self._prefix is not None:
+            prefix, prefix_cache, prefix_experts = self._prefix
+            if len(prompt) > 1 and prompt[: len(prefix)] == prefix:
+                start = min(len(prefix), len(prompt) - 1)  # at least one token left to produce logits
+                self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
+        out = self._prefill(slot, prompt, start, request)
+        prompt_experts = None
+        if out.prompt_experts is not None:
+            own = np.asarray(out.prompt_experts)[: len(prompt) - start]
+            prompt_experts = own if start == 0 else np.concatenate([prefix_experts[:start], own])
+        live = _Live(request, GenerationResult([], [], [], None, "length", prompt_expert_ids=prompt_experts))
+        self._slots[slot] = live
+        self._lengths[slot], self._remaining[slot] = len(prompt), request.max_new_tokens
+        first = out.first
+        experts = None if out.first_experts is None else np.asarray(out.first_experts)[0]
+        self._record(slot, rid, int(first.tokens[0]), float(first.logprobs[0]), float(first.raw_logprobs[0]),
+                     experts)
+
+    def _record(self, slot: int, rid: int, token: int, logprob: float, raw: float, experts) -> None:
+        """Append one sampled token to slot's sequence; finish it if a stop condition holds."""
+        live = self._slots[slot]
+        res, req = live.result, live.request
+        res.token_ids.append(token)
+        res.logprobs.append(logprob)
+        res.raw_logprobs.append(raw)
+        res.policy_versions.append(self.version)
+        if experts is not None:
+            live.experts.append(experts)
+        self._pending[slot] = token
+        self._remaining[slot] -= 1
+        reason = None
+        if token in req.stop_token_ids:
+            reason = "stop"
+        elif req.stop_strings and self._hit_stop_string(res.token_ids, req.stop_strings):
+            reason = "stop"
+        elif self._remaining[slot] <= 0:
+            reason = "length"
+        if reason is not None:
+            res.finish_reason = reason
+            res.expert_ids = np.stack(live.experts) if live.experts else None
+            self._done[rid] = res
+            self._slots[slot] = None
+            self._live_ids[slot] = None
+
+    def _hit_stop_string(self, tokens: list[int], stops: Sequence[str]) -> bool:
+        window = max(len(s) for s in stops) + 8  # a token decodes to >= 1 character in practice
+        text = self.detokenize(tokens[-window:])
+        return any(s in text for s in stops)
+
+    def step(self) -> None:
+        """Admit queued requests into free slots, then run one decode chunk over all live slots."""
+        for slot in range(self.config.slots):
+            if self._slots[slot] is None and self._queue:
+                rid, request = self._queue.popleft()
+                self._live_ids[slot] = rid
+                self._admit(rid, request, slot)
+        live = [s is not None for s in self._slots]
+        if not any(live):
+            return
+        requests = self._slots_requests()
+        width = _pow2_at_least(max((len(r.stop_token_ids) for r in requests if r), default=1), 4)
+        stop_ids = np.full((self.config.slots, width), -1, np.int32)
+        for slot, r in enumerate(requests):
+            if r is not None and r.stop_token_ids:
+                stop_ids[slot, : len(r.stop_token_ids)] = r.stop_token_ids
+        steps = self.config.chunk_steps
+        state = SlotState(jnp.asarray(self._pending), jnp.asarray(self._lengths), jnp.asarray(live),
+                          jnp.asarray(self._remaining))
+        key_len = self._key_len(int(self._lengths[live].max()) + steps)
+        self.cache, new_state, out = decode_chunk(
+            self.cfg, self.graphdef, self.state, self.cache, state, jnp.asarray(stop_ids),
+            self._sampling(requests), steps=steps, key_len=key_len, absorbed=self.config.absorbed)
+        tokens, logprobs, raw = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.raw_logprobs)
+        valid = np.asarray(out.valid)
+        experts = None if out.expert_ids is None else np.asarray(out.expert_ids)
+        self._lengths = np.array(new_state.lengths)
+        for i in range(steps):
+            for slot in range(self.config.slots):
+                if valid[i, slot] and self._slots[slot] is not None:
+                    self._record(slot, self._live_ids[slot], int(tokens[i, slot]), float(logprobs[i, slot]),
+                                 float(raw[i, slot]), None if experts is None else experts[i, slot])
+
+    def _slots_requests(self) -> list[Request | None]:
+        return [None if s is None else s.request for s in self._slots]

@@ -1,0 +1,149 @@
+"""Cached forward pass of the MLA/MoE transformer: pure functions of the NNX state and a latent KV cache.
+
+The cache holds, per layer and per slot, what MLA attention needs from past tokens (DeepSeek-V2 sec. 2.1):
+  latent [slots, S, kv_lora_rank]      c_s = RMSNorm(W_kva x_s)[:kv_lora_rank]
+  k_rope [slots, S, qk_rope_head_dim]  k^R_s = RoPE(W_kva x_s)[kv_lora_rank:], shared by all heads
+not the per-head K/V (which would be H * (qk_nope + qk_rope + v_head_dim) numbers per token per layer).
+
+Two attention paths read that cache, equal in exact arithmetic (see docs/inference.md):
+  expanded  [k_nope | v] = W_kvb c_s for every cached token, then ordinary attention (the test oracle,
+            and the prefill path, where the expansion is amortised over many queries)
+  absorbed  q~ = q_nope W_uk, score = (q~ . c_s + q_rope . k^R_s) * scale, o = (sum_s p_s c_s) W_uv:
+            decode reads only the latent cache and never forms per-head keys or values.
+Every layer piece (norms, q/latent projections, RoPE, router, expert dispatch, MLP, LM head) is the trainer's
+own module method, so numerics are the trainer's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.rope import apply_rope, rope_tables
+
+_NEG_INF = -1e30  # same finite mask value as models.attention
+
+
+class LayerCache(NamedTuple):
+    latent: jnp.ndarray  # [slots, S, kv_lora_rank]
+    k_rope: jnp.ndarray  # [slots, S, qk_rope_head_dim]
+
+
+def init_cache(cfg: ModelConfig, slots: int, max_len: int) -> tuple[LayerCache, ...]:
+    """Zeroed latent cache, one LayerCache per decoder layer (dense layers first, then MoE layers)."""
+    dtype = jnp.dtype(cfg.dtype)
+    return tuple(
+        LayerCache(jnp.zeros((slots, max_len, cfg.kv_lora_rank), dtype),
+                   jnp.zeros((slots, max_len, cfg.qk_rope_head_dim), dtype))
+        for _ in range(cfg.num_hidden_layers)
+    )
+
+
+def cache_bytes_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """(latent cache, expanded per-head K/V cache) bytes per token over all layers."""
+    item = jnp.dtype(cfg.dtype).itemsize
+    latent = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    expanded = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
+    return latent, expanded
+
+
+def _layers(model):
+    """Per-layer modules in order: (module, is_moe), sliced out of the scanned stacks."""
+    out = []
+    for stack, num, moe in ((model.dense_layers, model.cfg.num_dense_layers, False),
+                            (model.moe_layers, model.cfg.num_moe_layers, True)):
+        if stack is None:
+            continue
+        graphdef, state = nnx.split(stack)
+        for i in range(num):
+            out.append((nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)), moe))
+    return out
+
+
+def _attend(cfg: ModelConfig, attn, x, cos, sin, cache: LayerCache, slot_idx, positions, key_len: int,
+            absorbed: bool):
+    """MLA over the cache for queries at `positions` [b, T]; writes this step's latents first."""
+    q = attn.queries(x)
+    q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
+    latent, k_rope = attn.latents(x, cos, sin)
+    rows = (jnp.arange(x.shape[0]) if slot_idx is None else slot_idx)[:, None]
+    cache = LayerCache(cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype), mode="drop"),
+                       cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype), mode="drop"))
+    if slot_idx is None:  # decode: every slot in order, a slice rather than a gather of the whole cache
+        c, kr = cache.latent[:, :key_len], cache.k_rope[:, :key_len]
+    else:
+        c, kr = cache.latent[slot_idx, :key_len], cache.k_rope[slot_idx, :key_len]
+    c, kr = c.astype(x.dtype), kr.astype(x.dtype)  # [b, K, r], [b, K, dr]
+    visible = jnp.arange(key_len)[None, None, :] <= positions[:, :, None]  # causal over the cache
+    bias = jnp.where(visible, jnp.float32(0), jnp.float32(_NEG_INF))[:, None]  # [b, 1, T, K]
+    scale = jnp.asarray(cfg.softmax_scale, x.dtype)
+    kv_b = attn.kv_b_proj[...].astype(x.dtype)  # [r, H, dn + dv]
+    w_uk, w_uv = kv_b[..., : cfg.qk_nope_head_dim], kv_b[..., cfg.qk_nope_head_dim:]
+    if absorbed:
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope * scale, w_uk)
+        scores = (jnp.einsum("bthr,bkr->bhtk", q_lat, c, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthe,bke->bhtk", q_rope * scale, kr, preferred_element_type=jnp.float32))
+        p = jax.nn.softmax(scores + bias, axis=-1)
+        o_lat = jnp.einsum("bhtk,bkr->bthr", p.astype(x.dtype), c)
+        out = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+    else:
+        k_nope = jnp.einsum("bkr,rhn->bkhn", c, w_uk)
+        v = jnp.einsum("bkr,rhv->bkhv", c, w_uv)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(kr[:, :, None], (*kr.shape[:2], cfg.num_attention_heads,
+                                                                         kr.shape[-1]))], axis=-1)
+        qs = jnp.concatenate([q_nope, q_rope], axis=-1) * scale
+        scores = jnp.einsum("bthd,bkhd->bhtk", qs, k, preferred_element_type=jnp.float32)
+        p = jax.nn.softmax(scores + bias, axis=-1)
+        out = jnp.einsum("bhtk,bkhv->bthv", p.astype(v.dtype), v)
+    return jnp.einsum("bthv,hvd->btd", out, attn.o_proj[...].astype(x.dtype)), cache
+
+
+class StepOutput(NamedTuple):
+    logits: jnp.ndarray  # [b, T, V] float32
+    expert_ids: jnp.ndarray | None  # [b, T, L_moe, k] int32 experts chosen for each input token
+    cache: tuple[LayerCache, ...]
+
+
+def prepare(graphdef: nnx.GraphDef, state: nnx.State):
+    """(model, per-layer modules). Slicing the stacked layer parameters once, outside a decode loop, keeps
+    XLA from copying every layer's weights out of the stacks on every step."""
+    model = nnx.merge(graphdef, state)
+    return model, _layers(model)
+
+
+def extend(cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, cache: tuple[LayerCache, ...],
+           tokens: jnp.ndarray, slot_idx: jnp.ndarray | None, start: jnp.ndarray, *, key_len: int,
+           absorbed: bool = True, prepared=None) -> StepOutput:
+    """Run `tokens` [b, T] of slots `slot_idx` [b] whose caches hold `start` [b] tokens.
+
+    slot_idx None means row i is slot i (decode over all slots).
+    Token t of row i sits at position start[i] + t, attends to cache positions <= its own, and its latent is
+    written there (writes past the cache end are dropped). Only the first `key_len` (static) cache positions
+    are read, so the caller passes a bound >= max(start + T). Prefill is T = prompt length; decode T = 1.
+    `prepared`: the result of prepare(graphdef, state), if the caller already has it.
+    """
+    model, layers = prepare(graphdef, state) if prepared is None else prepared
+    b, t = tokens.shape
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None]
+    cos, sin = rope_tables(cfg, positions)
+    x = model.embed(tokens)
+    new_cache, experts = [], []
+    for layer, (module, moe) in enumerate(layers):
+        attn_out, layer_cache = _attend(cfg, module.self_attn, module.input_layernorm(x), cos, sin,
+                                        cache[layer], slot_idx, positions, key_len, absorbed)
+        new_cache.append(layer_cache)
+        h = x + attn_out
+        normed = module.post_attention_layernorm(h)
+        if moe:
+            ffn, routing = module.mlp(normed)
+            experts.append(routing.expert_ids.reshape(b, t, -1))
+        else:
+            ffn = module.mlp(normed)
+        x = h + ffn
+    expert_ids = jnp.stack(experts, axis=2) if experts else None
+    return StepOutput(model.logits(x), expert_ids, tuple(new_cache))

@@ -1,0 +1,69 @@
+"""Token sampling: temperature, top-k, top-p (nucleus), greedy; seeded per request and per position.
+
+The random key of a token is fold_in(key(seed), position), where position is the token's index in its
+sequence. It depends on nothing else (slot, batch composition, chunking), so the same request gives the
+same sample however it is batched.
+
+Logprobs. `logprobs` is log softmax(logits / T)[token]: the log-probability under the temperature-scaled
+distribution, which is exactly what the trainer computes from its own logits (the sampler/learner
+mismatch gate compares these). Top-k / top-p truncation is NOT folded in: with truncation active the token
+was really drawn from the renormalised kept set, whose log-probability is logprobs - log(kept mass)
+(>= logprobs); we report the untruncated value because that is the policy the learner differentiates, and
+RL runs should keep top_p = 1, top_k = 0. Greedy (T = 0) reports the T = 1 value. `raw_logprobs` is
+log softmax(logits)[token] (no temperature).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingParams(NamedTuple):
+    """Per-row arrays [b]: temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), seed."""
+    temperature: jnp.ndarray
+    top_p: jnp.ndarray
+    top_k: jnp.ndarray
+    seed: jnp.ndarray
+
+
+class Sample(NamedTuple):
+    tokens: jnp.ndarray  # [b] int32
+    logprobs: jnp.ndarray  # [b] float32, under softmax(logits / T)
+    raw_logprobs: jnp.ndarray  # [b] float32, under softmax(logits)
+
+
+def _truncate(logits: jnp.ndarray, top_p: jnp.ndarray, top_k: jnp.ndarray) -> jnp.ndarray:
+    """logits [b, V] (already temperature-scaled) with everything outside the top-k and the top-p nucleus
+    set to -inf. The nucleus is the smallest prefix of the sorted distribution with mass >= top_p
+    (Holtzman et al. 2020); the most likely token is always kept."""
+    vocab = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    rank = jnp.arange(vocab)[None]
+    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    keep = (rank < k) & (mass_before < top_p[:, None])
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jnp.ndarray, params: SamplingParams, positions: jnp.ndarray) -> Sample:
+    """Draw one token per row of logits [b, V] (float32). positions [b]: index of the drawn token in its
+    sequence (folded into the key)."""
+    logits = logits.astype(jnp.float32)
+    greedy = params.temperature <= 0
+    temperature = jnp.where(greedy, 1.0, params.temperature)[:, None]
+    scaled = logits / temperature
+    needs_truncation = jnp.any((params.top_p < 1.0) | (params.top_k > 0))
+    truncated = jax.lax.cond(needs_truncation, _truncate, lambda x, p, k: x, scaled, params.top_p, params.top_k)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
+        params.seed.astype(jnp.uint32), positions.astype(jnp.uint32))
+    drawn = jax.vmap(jax.random.categorical)(keys, truncated)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    return Sample(tokens, logprobs, raw)

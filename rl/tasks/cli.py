@@ -1,0 +1,57 @@
+"""`c2jax tasks build --config CONFIG.yaml --out DIR` and `c2jax tasks validate DIR [--sandbox local]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("tasks", help="build and validate task suites (rl/tasks)",
+                                   description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="tasks_command", required=True, metavar="ACTION")
+    build = sub.add_parser("build", help="build a task suite from a YAML config")
+    build.add_argument("--config", required=True, help="suite YAML (see experiments/configs/tasks_small.yaml)")
+    build.add_argument("--out", required=True, help="directory the task directories are written to")
+    build.add_argument("overrides", nargs="*", help="dotted key=value overrides of the config")
+    val = sub.add_parser("validate", help="check hidden tests fail on the base and pass with the reference")
+    val.add_argument("dir", help="a task directory or a suite of them")
+    val.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local"))
+    val.add_argument("--json", default=None, help="also write the per-task results to this JSON file")
+    return parser
+
+
+def run(args) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from c2jax.config import apply_overrides, from_dict, load_yaml
+    from rl.tasks.build import SuiteConfig, build_suite, sandbox_factory, validate_task
+    from rl.tasks.task import load_tasks
+
+    console = Console()
+    if args.tasks_command == "build":
+        cfg = from_dict(SuiteConfig, apply_overrides(load_yaml(args.config), args.overrides))
+        errors: list[str] = []
+        written = build_suite(cfg, args.out, errors=errors)
+        console.print(f"wrote {len(written)} tasks to {args.out} (manifest.json lists them)")
+        for err in errors:
+            console.print(f"[red]skipped[/] {err}")
+        return 1 if errors else 0
+
+    factory = sandbox_factory(args.sandbox)
+    results = []
+    for task in tqdm(load_tasks(args.dir), desc="tasks validate", unit="task"):
+        results.append(validate_task(task, factory))
+    table = Table("task", "ok", "reason")
+    for v in results:
+        table.add_row(v.task_id, "[green]yes[/]" if v.ok else "[red]no[/]", v.reason)
+    console.print(table)
+    bad = [v for v in results if not v.ok]
+    console.print(f"{len(results) - len(bad)}/{len(results)} tasks valid")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"task_id": v.task_id, "ok": v.ok, "reason": v.reason} for v in results], f, indent=1)
+    return 1 if bad else 0

@@ -1,0 +1,135 @@
+"""A ladder of small learnable tasks for tiny models (RL demos on CPU), generated from a seed.
+
+Rungs, easiest first, all in the normal task format and graded by the normal pytest grader:
+  answer     single turn: the prompt holds everything; write a short string to answer.txt
+  lookup     multi-turn tool use: the answer depends on a file the agent must read first
+  micro_bug  a micro repository (3-5 small functions) with a one-token bug; hidden tests name it
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+from rl.tasks.patches import make_patch, patch_size
+from rl.tasks.task import Task, write_task
+
+RUNGS = ("answer", "lookup", "micro_bug")
+
+_ANSWER_TEST = '''from pathlib import Path
+
+
+def test_answer():
+    assert Path("answer.txt").read_text().strip() == {expected!r}
+'''
+
+
+def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
+    a, b = rng.randint(2, 49), rng.randint(2, 49)
+    op, sym = rng.choice([("add", "+"), ("subtract", "-"), ("multiply", "*")])
+    expected = str({"+": a + b, "-": a - b, "*": a * b}[sym])
+    prompts = {"terse": f"{a} {sym} {b} -> answer.txt",
+               "issue": f"Compute {a} {sym} {b} and write the result to answer.txt.",
+               "full": f"Create a file answer.txt in the repository root containing only the integer "
+                       f"result of {a} {sym} {b} ({op} the numbers), followed by a newline."}
+    repo = {"README.md": "Scratch workspace.\n"}
+    return _task(f"ladder-answer-{idx:03d}", "answer", "easy", prompts), repo, \
+        {**repo, "answer.txt": expected + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=expected)}
+
+
+_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor", "iris", "juniper", "kelp",
+          "lumen", "maple", "nectar", "orbit", "pebble"]
+
+
+def _lookup_task(rng, idx):
+    keys = rng.sample(_WORDS, 5)
+    values = {k: rng.randint(10, 999) for k in keys}
+    target = rng.choice(keys)
+    config = "".join(f"{k} = {v}\n" for k, v in values.items())
+    prompts = {"terse": f"value of {target} -> answer.txt",
+               "issue": f"Look up `{target}` in settings.ini and write its value to answer.txt.",
+               "full": f"settings.ini holds `key = value` lines. Read it, find the key `{target}`, and write "
+                       f"its integer value alone (plus a newline) to answer.txt in the repository root."}
+    repo = {"settings.ini": config}
+    return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts), repo, \
+        {**repo, "answer.txt": f"{values[target]}\n"}, \
+        {"tests/test_answer.py": _ANSWER_TEST.format(expected=str(values[target]))}
+
+
+# (function source, test body, [(correct token, buggy token)]); each bug changes exactly one token
+_FUNCS = [
+    ("def add(a, b):\n    return a + b\n", "assert add(2, 3) == 5", [("a + b", "a - b")]),
+    ("def double(x):\n    return x * 2\n", "assert double(7) == 14", [("x * 2", "x * 3"), ("x * 2", "x + 2")]),
+    ("def is_even(n):\n    return n % 2 == 0\n", "assert is_even(4) and not is_even(7)",
+     [("== 0", "== 1"), ("== 0", "!= 0")]),
+    ("def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n",
+     "assert clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0", [("min(x, hi)", "max(x, hi)")]),
+    ("def last(items):\n    return items[-1]\n", "assert last([1, 2, 3]) == 3", [("[-1]", "[0]")]),
+    ("def count_positive(xs):\n    return sum(1 for x in xs if x > 0)\n",
+     "assert count_positive([-1, 0, 2, 5]) == 2", [("x > 0", "x >= 0"), ("x > 0", "x < 0")]),
+    ("def greet(name):\n    return 'hello ' + name\n", "assert greet('bo') == 'hello bo'",
+     [("'hello '", "'hello'")]),
+    ("def square(x):\n    return x ** 2\n", "assert square(3) == 9", [("x ** 2", "x ** 3")]),
+]
+
+
+def _micro_bug_task(rng, idx):
+    funcs = rng.sample(range(len(_FUNCS)), rng.randint(3, 5))
+    buggy = rng.choice(funcs)
+    good_token, bad_token = rng.choice(_FUNCS[buggy][2])
+    sources = [_FUNCS[i][0] for i in funcs]
+    fixed = "\n\n".join(sources)
+    broken = "\n\n".join(s.replace(good_token, bad_token, 1) if i == buggy else s for i, s in zip(funcs, sources))
+    names = [_FUNCS[i][0].split("(")[0][4:] for i in funcs]
+    tests = "from mathlib.core import " + ", ".join(names) + "\n" + "".join(
+        f"\n\ndef test_{name}():\n    {_FUNCS[i][1]}\n" for name, i in zip(names, funcs))
+    bug_name = _FUNCS[buggy][0].split("(")[0][4:]
+    prompts = {"terse": f"{bug_name} is broken",
+               "issue": f"`{bug_name}` in mathlib/core.py returns wrong results. Please fix it.",
+               "full": f"`mathlib.core.{bug_name}` has a one-token bug. The test `{_FUNCS[buggy][1]}` should "
+                       f"pass. Fix the function without changing the others."}
+    repo = {"mathlib/__init__.py": "", "mathlib/core.py": broken}
+    task = _task(f"ladder-micro_bug-{idx:03d}", "micro_bug", "medium", prompts)
+    overlay = {"tests/test_core.py": tests}
+    f2p = [f"tests/test_core.py::test_{bug_name}"]
+    p2p = [f"tests/test_core.py::test_{n}" for n in names if n != bug_name]
+    return (task, f2p, p2p), repo, \
+        {**repo, "mathlib/core.py": fixed}, overlay
+
+
+def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str]) -> Task:
+    return Task(id=task_id, instruction=prompts["issue"], repo_dir=None, tests_dir=None, prompts=prompts,
+                category=f"ladder/{rung}", difficulty=difficulty, repo=f"ladder-{rung}", timeout_s=60.0,
+                metadata={"generator": "ladder", "rung": rung})
+
+
+_BUILDERS = {"answer": _answer_task, "lookup": _lookup_task, "micro_bug": _micro_bug_task}
+
+
+def build_ladder(out_dir: str | Path, *, seed: int = 0, per_rung: int = 4,
+                 rungs: tuple[str, ...] = RUNGS) -> list[Path]:
+    """Writes `per_rung` tasks of each rung under `out_dir`; the same seed gives the same tasks."""
+    import dataclasses
+
+    unknown = set(rungs) - set(RUNGS)
+    if unknown:
+        raise ValueError(f"unknown ladder rungs {sorted(unknown)}; expected a subset of {RUNGS}")
+    written = []
+    for rung in rungs:
+        rng = random.Random(f"{seed}/{rung}")
+        for idx in range(per_rung):
+            made, repo, solved, overlay = _BUILDERS[rung](rng, idx)
+            task, f2p, p2p = made if isinstance(made, tuple) else (made, ["tests/test_answer.py::test_answer"], [])
+            patch = make_patch(repo, solved)
+            lines, files = patch_size(patch)
+            with tempfile.TemporaryDirectory() as tmp:
+                for rel, text in repo.items():
+                    (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (Path(tmp) / rel).write_text(text)
+                task = dataclasses.replace(
+                    task, repo_dir=Path(tmp), fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
+                    test_files=tuple(sorted(overlay)), solution_patch=patch, lines_changed=lines,
+                    files_changed=files, metadata={**task.metadata, "seed": seed})
+                written.append(write_task(task, out_dir, overlay={k: v.encode() for k, v in overlay.items()}))
+    return written

@@ -1,0 +1,200 @@
+"""models.inference against the trainer's full-sequence forward (the independent reference here is the
+trainer itself: models.transformer.forward, already checked against HF transformers in test_hf_parity).
+
+Spec:
+  * prefill + latent-cache decode reproduces full-forward logits (fp32, rel err <= 1e-5), YaRN on and off;
+  * absorbed decode == expanded decode;
+  * sampler logprobs == log_softmax(full-forward logits / T) at the sampled tokens (mean |diff| < 1e-5);
+  * continuous batching (more requests than slots) == one-at-a-time, greedy; shared-prefix caching too;
+  * weight swap between chunks: the continuation equals a fresh engine on the new weights from the same
+    prefix, and every token carries its version;
+  * stop ids / stop strings / max tokens; same seed -> same sample regardless of batching;
+  * prompts that do not fit the cache window raise ContextWindowExceeded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import preset
+from models.inference import (
+    ContextWindowExceeded,
+    EngineConfig,
+    InferenceEngine,
+    Request,
+    cache_bytes_per_token,
+    extend,
+    init_cache,
+)
+from models.transformer import forward, init
+
+CFG = preset("tiny")  # YaRN, q LoRA, grouped routing, 1 dense + 2 MoE layers
+ENGINE = EngineConfig(slots=2, max_len=64, chunk_steps=4)
+SEQ, PROMPT = 12, 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return nnx.split(init(CFG, seed=0))
+
+
+def _full_logits(cfg, graphdef, state, ids):
+    return jax.jit(lambda s, i: forward(graphdef, s, i, return_mtp=False).logits)(state, ids)
+
+
+def _cached_logits(cfg, graphdef, state, ids, absorbed):
+    """Prefill PROMPT tokens (expanded path), then decode the rest one token at a time."""
+    run = jax.jit(extend, static_argnames=("cfg", "graphdef", "key_len", "absorbed"))
+    batch = ids.shape[0]
+    out = run(cfg, graphdef, state, init_cache(cfg, batch, 32), ids[:, :PROMPT], None,
+              jnp.zeros(batch, jnp.int32), key_len=32, absorbed=False)
+    logits, cache = [out.logits], out.cache
+    for t in range(PROMPT, ids.shape[1]):
+        out = run(cfg, graphdef, state, cache, ids[:, t:t + 1], None, jnp.full(batch, t, jnp.int32),
+                  key_len=32, absorbed=absorbed)
+        logits.append(out.logits)
+        cache = out.cache
+    return jnp.concatenate(logits, axis=1)
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("yarn", [True, False])
+def test_cached_decode_equals_full_forward(yarn):
+    cfg = CFG if yarn else CFG.replace(rope_scaling=None)
+    assert (cfg.rope_scaling is not None) == yarn
+    graphdef, state = nnx.split(init(cfg, seed=0))
+    ids = jax.random.randint(jax.random.key(1), (2, SEQ), 0, cfg.vocab_size)
+    full = _full_logits(cfg, graphdef, state, ids)
+    assert _rel(_cached_logits(cfg, graphdef, state, ids, absorbed=True), full) <= 1e-5
+
+
+def test_absorbed_equals_expanded(model):
+    graphdef, state = model
+    ids = jax.random.randint(jax.random.key(2), (2, SEQ), 0, CFG.vocab_size)
+    absorbed = _cached_logits(CFG, graphdef, state, ids, absorbed=True)
+    expanded = _cached_logits(CFG, graphdef, state, ids, absorbed=False)
+    assert _rel(absorbed, expanded) <= 1e-5
+
+
+def test_latent_cache_is_smaller_than_expanded_kv():
+    latent, expanded = cache_bytes_per_token(preset("deepseek-v3"))
+    # DeepSeek-V2 sec. 2.1: (d_c + d_R) per layer vs 2 * n_h * d_h; here (512 + 64) vs 128 * (192 + 128)
+    assert latent == 61 * 576 * 2 and expanded == 61 * 128 * 320 * 2
+
+
+def _prompts(n):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, CFG.vocab_size, size=int(rng.integers(2, 9))).tolist() for _ in range(n)]
+
+
+def test_sampler_logprobs_equal_trainer_logprobs(model):
+    graphdef, state = model
+    engine = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    temperature = 0.7
+    reqs = [Request(p, 10, temperature=temperature, seed=i) for i, p in enumerate(_prompts(2))]
+    diffs, raw_diffs = [], []
+    for req, res in zip(reqs, engine.generate(reqs), strict=True):
+        seq = list(req.prompt_ids) + res.token_ids
+        padded = jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32)
+        logits = _full_logits(CFG, graphdef, state, padded)[0, len(req.prompt_ids) - 1: len(seq) - 1]
+        targets = np.asarray(res.token_ids)[:, None]
+        trainer = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits / temperature)), targets, -1)[:, 0]
+        raw = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets, -1)[:, 0]
+        diffs.append(np.abs(trainer - np.asarray(res.logprobs)))
+        raw_diffs.append(np.abs(raw - np.asarray(res.raw_logprobs)))
+        assert res.expert_ids.shape == (len(res.token_ids), CFG.num_moe_layers, CFG.num_experts_per_tok)
+        # router replay: the experts recorded for token j are those the trainer picks at its input position
+        replay = forward(graphdef, state, padded, return_mtp=False).expert_ids[:, 0]
+        want = np.asarray(replay)[:, len(req.prompt_ids) - 1: len(seq) - 1].transpose(1, 0, 2)
+        np.testing.assert_array_equal(np.sort(res.expert_ids, -1), np.sort(want, -1))
+    assert np.mean(np.concatenate(diffs)) < 1e-5
+    assert np.mean(np.concatenate(raw_diffs)) < 1e-5
+
+
+def test_continuous_batching_equals_one_at_a_time(model):
+    graphdef, state = model
+    reqs = [Request(p, 6 + i, temperature=0.0) for i, p in enumerate(_prompts(5))]
+    batched = InferenceEngine(CFG, graphdef, state, config=ENGINE).generate(reqs)  # 5 requests, 2 slots
+    single = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    for req, got in zip(reqs, batched, strict=True):
+        want = single.generate([req])[0]
+        assert got.token_ids == want.token_ids
+        assert len(got.token_ids) == req.max_new_tokens and got.finish_reason == "length"
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_prefix_cache_equals_full_prefill(model):
+    graphdef, state = model
+    system = [3, 1, 4, 1, 5, 9, 2, 6]
+    reqs = [Request(system + tail, 6, temperature=0.0) for tail in ([7], [8, 9, 10], [])]
+    plain = InferenceEngine(CFG, graphdef, state, config=ENGINE).generate(reqs)
+    cached_engine = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    cached_engine.set_prefix(system)
+    cached = cached_engine.generate(reqs)
+    for a, b in zip(plain, cached, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_array_equal(a.prompt_expert_ids, b.prompt_expert_ids)
+
+
+def test_same_seed_same_sample_regardless_of_batching(model):
+    graphdef, state = model
+    prompt = _prompts(1)[0]
+    req = Request(prompt, 8, temperature=1.0, top_p=0.9, top_k=20, seed=123)
+    alone = InferenceEngine(CFG, graphdef, state, config=ENGINE).generate([req])[0]
+    other = Request(_prompts(3)[2], 8, temperature=1.0, seed=5)
+    together = InferenceEngine(CFG, graphdef, state, config=ENGINE).generate([other, req])[1]
+    assert alone.token_ids == together.token_ids
+    reseeded = InferenceEngine(CFG, graphdef, state, config=ENGINE).generate(
+        [Request(prompt, 8, temperature=1.0, top_p=0.9, top_k=20, seed=124)])[0]
+    assert reseeded.token_ids != alone.token_ids
+
+
+def test_weight_swap_mid_generation(model):
+    graphdef, old = model
+    _, new = nnx.split(init(CFG, seed=1))
+    req = Request(_prompts(1)[0], 12, temperature=0.0)
+    engine = InferenceEngine(CFG, graphdef, old, config=ENGINE, version=0)
+    rid = engine.submit(req)
+    engine.step()  # prefill (1 token) + one chunk of 4: five tokens from version 0
+    engine.swap_weights(new, version=1)
+    while engine.has_work:
+        engine.step()
+    res = engine.pop_result(rid)
+    assert res.policy_versions == [0] * 5 + [1] * 7
+    fresh = InferenceEngine(CFG, graphdef, new, config=ENGINE, version=1)
+    cont = fresh.generate([Request(list(req.prompt_ids) + res.token_ids[:5], 7, temperature=0.0)])[0]
+    assert res.token_ids[5:] == cont.token_ids
+    np.testing.assert_allclose(res.logprobs[5:], cont.logprobs, atol=1e-5)
+
+
+def test_stop_conditions(model):
+    graphdef, state = model
+    engine = InferenceEngine(CFG, graphdef, state, config=ENGINE, detokenize=lambda ids: "".join(
+        chr(65 + t % 26) for t in ids))
+    prompt = _prompts(1)[0]
+    free = engine.generate([Request(prompt, 10, temperature=0.0)])[0]
+    stop_at = 3
+    by_id = engine.generate([Request(prompt, 10, stop_token_ids=(free.token_ids[stop_at],), temperature=0.0)])[0]
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[stop_at]) + 1]
+    assert by_id.finish_reason == "stop"
+    text = "".join(chr(65 + t % 26) for t in free.token_ids)
+    by_string = engine.generate([Request(prompt, 10, stop_strings=(text[4:6],), temperature=0.0)])[0]
+    assert by_string.finish_reason == "stop" and by_string.token_ids == free.token_ids[: text.index(text[4:6]) + 2]
+
+
+def test_too_long_is_refused(model):
+    graphdef, state = model
+    engine = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    with pytest.raises(ContextWindowExceeded, match="cache window of 64"):
+        engine.submit(Request([1] * 60, 5))
+    with pytest.raises(ContextWindowExceeded):
+        engine.set_prefix([1] * 65)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit(Request([CFG.vocab_size], 5))

@@ -1,0 +1,217 @@
+"""Parallelism (issue 3): every mesh computes what one device computes.
+
+Meshes of 8 fake CPU devices (tests/conftest.py): pure data, fsdp x expert, expert x context,
+fsdp x context. Expert parallelism runs the all-gather shard_map path of models/expert_parallel.py;
+context parallelism the balanced-chunk MLA of models/attention.py. The ragged_all_to_all path is
+lowered here but only compiled and run where an accelerator exists (XLA:CPU has no ragged-all-to-all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from c2jax.config import ConfigError, MeshConfig
+from c2jax.mesh import activation_rules, batch_shardings, make_mesh, shard_state, state_shardings
+from c2jax.sharding_rules import DEFAULT_PARAM_RULES, partition_spec
+from models.attention import MLAttention, attention_mask
+from models.config import preset
+from models.context_parallel import ContextParallelMask, balanced_order, inverse_order
+from models.logical import logical_rules
+from models.rope import rope_tables
+from models.transformer import abstract_state, forward, init
+
+GOLDEN = Path(__file__).parent / "golden" / "kimi_k25_fsdp8_expert8_specs.yaml"
+MESHES = [dict(data=8), dict(fsdp=2, expert=4), dict(expert=4, context=2), dict(fsdp=4, context=2)]
+
+
+def _tiny():
+    # MTP on, so the context-parallel permutation is exercised through the MTP block too
+    return dataclasses.replace(preset("tiny"), num_nextn_predict_layers=1)
+
+
+def _batch(cfg):
+    ids = jax.random.randint(jax.random.key(1), (8, 32), 0, cfg.vocab_size)
+    # two packed documents per row, split across the CP chunk boundaries
+    seg = jnp.concatenate([jnp.ones((8, 12), jnp.int32), jnp.full((8, 20), 2, jnp.int32)], axis=1)
+    return ids, seg
+
+
+def _objective(graphdef):
+    def f(state, ids, seg):
+        out = forward(graphdef, state, ids, segment_ids=seg)
+        value = jnp.mean(out.logits ** 2) + jnp.mean(out.mtp_logits ** 2)
+        return value, out
+    return f
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = _tiny()
+    graphdef, state = nnx.split(init(cfg, seed=0))
+    ids, seg = _batch(cfg)
+    (value, out), grads = jax.jit(jax.value_and_grad(_objective(graphdef), has_aux=True))(state, ids, seg)
+    return cfg, graphdef, state, (ids, seg), out, grads
+
+
+@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
+def test_forward_and_gradients_match_single_device(reference, sizes):
+    cfg, graphdef, state, (ids, seg), ref_out, ref_grads = reference
+    mesh_cfg = MeshConfig(**sizes)
+    mesh = make_mesh(mesh_cfg)
+    sharded = shard_state(state, mesh)
+    rules = activation_rules(mesh_cfg)
+
+    def step(state, ids, seg):
+        with logical_rules(mesh, rules):
+            return jax.value_and_grad(_objective(graphdef), has_aux=True)(state, ids, seg)
+
+    if sizes.get("expert", 1) > 1 or sizes.get("context", 1) > 1:  # the explicit-collective paths ran
+        assert "shard_map" in str(jax.make_jaxpr(step)(sharded, ids, seg))
+    (_, out), grads = jax.jit(step)(sharded, ids, seg)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref_out.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.mtp_logits), np.asarray(ref_out.mtp_logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.expert_ids), np.asarray(ref_out.expert_ids))
+    # global expert counts: reduced over every axis that shards tokens, equal to the unsharded counts
+    np.testing.assert_array_equal(np.asarray(out.expert_counts), np.asarray(ref_out.expert_counts))
+    for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        got, want = np.asarray(got.get_value()), np.asarray(want.get_value())
+        scale = max(np.abs(want).max(), 1e-6)
+        assert np.abs(got - want).max() <= 1e-5 * scale + 1e-7, f"gradient of {'/'.join(map(str, path))}"
+
+
+def test_balanced_order_layout_and_round_trip():
+    order = balanced_order(16, 4)  # 8 chunks of 2; rank i holds chunks i and 7 - i
+    np.testing.assert_array_equal(order.reshape(4, 4), [[0, 1, 14, 15], [2, 3, 12, 13],
+                                                        [4, 5, 10, 11], [6, 7, 8, 9]])
+    x = np.arange(3 * 16).reshape(3, 16)
+    np.testing.assert_array_equal(x[:, order][:, inverse_order(order)], x)
+    # causal work per rank (keys visible to its queries) is the same on every rank
+    work = [sum(int(q) + 1 for q in row) for row in order.reshape(4, 4)]
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError, match="divisible by 2 x 4"):
+        balanced_order(12, 4)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_context_parallel_attention_equals_unsharded(cp):
+    cfg = preset("tiny")
+    attn = MLAttention(cfg, nnx.Rngs(params=3))
+    batch, seq = 8 // cp, 64
+    x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    seg = (jnp.arange(seq)[None, :] >= 23).astype(jnp.int32) + jnp.arange(batch)[:, None] % 2
+    cos, sin = rope_tables(cfg, positions)
+    want = attn(x, cos, sin, attention_mask(seg, batch, seq))
+
+    mesh_cfg = MeshConfig(data=8 // cp, context=cp)
+    mesh = make_mesh(mesh_cfg)
+    order = balanced_order(seq, cp)
+    cos_p, sin_p = rope_tables(cfg, positions[:, order])
+
+    @jax.jit
+    def run(x):
+        with logical_rules(mesh, activation_rules(mesh_cfg)):
+            return attn(x[:, order], cos_p, sin_p, ContextParallelMask(seg[:, order], jnp.asarray(order)))
+
+    got = np.asarray(run(x))[:, inverse_order(order)]
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_context_parallel_rejects_indivisible_sequence(reference):
+    cfg, graphdef, state, *_ = reference
+    mesh_cfg = MeshConfig(data=4, context=2)
+    mesh = make_mesh(mesh_cfg)
+    ids = jnp.zeros((4, 30), jnp.int32)  # 30 is not a multiple of 2 x 2
+    with pytest.raises(ValueError, match="divisible by 2 x 2"), logical_rules(mesh, activation_rules(mesh_cfg)):
+        jax.eval_shape(lambda s, i: forward(graphdef, s, i).logits, state, ids)
+
+
+def test_kimi_k25_specs_on_64_devices_match_hand_written_golden():
+    golden = yaml.safe_load(GOLDEN.read_text())
+    cfg = preset("kimi-k2.5")
+    _, state = abstract_state(cfg)
+    mesh_shape = MeshConfig(fsdp=8, expert=8).sizes
+    got = {}
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        spec = partition_spec(value.shape, var.get_metadata()["logical_axes"], mesh_shape, DEFAULT_PARAM_RULES)
+        got["/".join(map(str, path))] = spec
+    as_spec = lambda entries: PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
+    for name, entries in golden.items():
+        assert name in got, f"{name} not in the model"
+        assert got[name] == as_spec(entries), f"{name}: {got[name]} != {as_spec(entries)}"
+
+
+def test_mesh_infers_minus_one_and_explains_mistakes():
+    assert MeshConfig(fsdp=-1, expert=4).resolve(8).fsdp == 2
+    assert dict(make_mesh(MeshConfig(data=-1, context=2)).shape)["data"] == 4
+    with pytest.raises(ConfigError, match="at most one"):
+        MeshConfig(fsdp=-1, expert=-1)
+    with pytest.raises(ConfigError, match="do not divide"):
+        MeshConfig(fsdp=-1, expert=3).resolve(8)
+    with pytest.raises(ConfigError, match="needs 4 devices, 8 available"):
+        make_mesh(MeshConfig(fsdp=4))
+
+
+def test_state_and_batch_shardings_follow_rules():
+    mesh_cfg = MeshConfig(fsdp=2, expert=4, param_rules={"vocab": None}, activation_rules={})
+    mesh = make_mesh(mesh_cfg)
+    _, state = abstract_state(preset("tiny"))
+    shardings = state_shardings(state, mesh)
+    experts = shardings["moe_layers"]["mlp"]["gate_up_proj"].get_value()
+    assert experts.spec == PartitionSpec(None, "expert", "fsdp", None)
+    batch = {"input_ids": jnp.zeros((8, 32), jnp.int32), "reward": jnp.zeros((8,))}
+    specs = {k: v.spec for k, v in batch_shardings(batch, mesh, activation_rules(mesh_cfg)).items()}
+    assert specs == {"input_ids": PartitionSpec(("fsdp", "expert"), None),
+                     "reward": PartitionSpec(("fsdp", "expert"))}
+
+
+def test_ragged_all_to_all_path_lowers(reference):
+    """The GPU path builds and lowers to HLO here; XLA:CPU cannot compile ragged-all-to-all, so it is run
+    (and compared with the all-gather path) only on an accelerator."""
+    cfg, _, _, (ids, seg), *_ = reference
+    cfg = dataclasses.replace(cfg, moe_ep_impl="ragged_a2a")
+    graphdef, state = nnx.split(init(cfg, seed=0))
+    mesh_cfg = MeshConfig(fsdp=2, expert=4)
+    mesh = make_mesh(mesh_cfg)
+
+    def loss(state, ids):
+        with logical_rules(mesh, activation_rules(mesh_cfg)):
+            return jnp.mean(forward(graphdef, state, ids).logits ** 2)
+
+    lowered = jax.jit(jax.grad(loss)).lower(shard_state(state, mesh), ids)
+    assert "ragged-all-to-all" in lowered.as_text() or "ragged_all_to_all" in lowered.as_text()
+
+
+def test_plan_cli_reports_exact_parameter_memory(capsys):
+    import json
+
+    from c2jax.cli import main
+
+    assert main(["plan", "kimi-k2.5", "--devices", "64", "--mesh", "fsdp=8,expert=8", "--seq", "32768",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = preset("kimi-k2.5")
+    d, h, n_moe = c.hidden_size, c.num_attention_heads, c.num_hidden_layers - c.first_k_dense_replace
+    attention = (d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
+                 + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
+                 + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim) + h * c.v_head_dim * d + 2 * d)
+    moe = d * c.n_routed_experts + 3 * d * c.moe_intermediate_size * (c.n_routed_experts + c.n_shared_experts)
+    total_params = (2 * c.vocab_size * d + d + c.num_hidden_layers * attention
+                    + c.first_k_dense_replace * 3 * d * c.intermediate_size + n_moe * moe)
+    # fp32 master weights and two fp32 Adam moments, split 64 ways (norms are small and replicated)
+    assert out["params_bytes"] == pytest.approx(4 * total_params / 64, rel=5e-3)
+    assert out["optimizer_bytes"] == pytest.approx(2 * out["params_bytes"], rel=1e-6)
+    assert out["mesh"]["fsdp"] == 8 and out["mesh"]["expert"] == 8 and out["mesh"]["data"] == 1
+    assert out["fits"]["H200"] is False  # 192 GB of weights and moments alone
+    assert main(["plan", "kimi-k2.5", "--devices", "60", "--mesh", "fsdp=8,expert=8"]) == 2
+    assert "do not divide" in capsys.readouterr().err

@@ -1,0 +1,313 @@
+"""Tasks and graders: SWE-bench grading semantics on hand-built fixtures, Harbor and Terminal-Bench 1
+formats, SWE-bench instance/prediction/report formats, the ladder, and one real-sdist generator run."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rl.sandbox import LocalSandbox
+from rl.tasks import Task, grade, load_task, load_tasks, write_task
+from rl.tasks.build import LibraryConfig, build_library, check_splits_disjoint, validate_task
+from rl.tasks.deletion import deletable, delete_feature
+from rl.tasks.ladder import build_ladder
+from rl.tasks.mutation import apply, candidates
+from rl.tasks.patches import drop_test_files, is_test_path, make_patch, patch_size
+from rl.tasks.release import build_release_task, changelog_added
+from rl.tasks.swebench import instance_to_task, load_instances, write_predictions, write_report
+
+
+def factory(repo):
+    return LocalSandbox(repo, allow_unisolated=True)
+
+
+BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+FIXED = BUGGY.replace("a - b", "a + b")
+HIDDEN = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+          "def test_mul():\n    assert mul(2, 3) == 6\n")
+F2P, P2P = "tests/test_calc.py::test_add", "tests/test_calc.py::test_mul"
+
+
+@pytest.fixture(scope="module")
+def calc_task(tmp_path_factory) -> Task:
+    """A micro repo with a bug in add; the hidden tests check add (F2P) and mul (P2P). The agent sees
+    a visible tests/test_calc.py that the grader must replace."""
+    root = tmp_path_factory.mktemp("calc")
+    (root / "repo" / "tests").mkdir(parents=True)
+    (root / "repo" / "calc.py").write_text(BUGGY)
+    (root / "repo" / "tests" / "test_calc.py").write_text("def test_visible():\n    pass\n")
+    task = Task(id="calc-001", instruction="add is broken", repo_dir=root / "repo", tests_dir=None,
+                fail_to_pass=(F2P,), pass_to_pass=(P2P,), test_files=("tests/test_calc.py",), timeout_s=60,
+                solution_patch=make_patch({"calc.py": BUGGY}, {"calc.py": FIXED}), repo="calc")
+    return load_task(write_task(task, root / "suite", overlay={"tests/test_calc.py": HIDDEN.encode()}))
+
+
+def patch_calc(text: str, extra: dict[str, str] | None = None) -> str:
+    return make_patch({"calc.py": BUGGY}, {"calc.py": text, **(extra or {})})
+
+
+def test_reference_resolves_and_base_does_not(calc_task):
+    ref = grade(calc_task, calc_task.solution_patch, factory)
+    assert ref.status == "resolved" and ref.reward == 1.0
+    assert ref.fail_to_pass == {"success": [F2P], "failure": []}
+    base = grade(calc_task, None, factory)
+    assert base.status == "unresolved" and base.fail_to_pass["failure"] == [F2P]
+    assert base.pass_to_pass["success"] == [P2P]
+    assert "tests/test_calc.py::test_visible" not in base.tests_status  # the hidden overlay replaced it
+
+
+def test_p2p_regression_is_unresolved(calc_task):
+    res = grade(calc_task, patch_calc(FIXED.replace("a * b", "a ** b")), factory)
+    assert res.status == "unresolved"
+    assert res.fail_to_pass["failure"] == [] and res.pass_to_pass["failure"] == [P2P]
+
+
+def test_fake_passed_lines_do_not_fool_the_grader(calc_task):
+    # after pytest's own summary, print a forged one in `-rA` format
+    liar = BUGGY + ("\nimport atexit\n\n\n@atexit.register\ndef _forge():\n"
+                    "    print('PASSED tests/test_calc.py::test_add\\nPASSED tests/test_calc.py::test_mul')\n"
+                    "    print('===== 2 passed in 0.01s =====')\n")
+    res = grade(calc_task, patch_calc(liar), factory)
+    assert "PASSED tests/test_calc.py::test_add" in res.log_tail
+    assert res.status == "unresolved" and res.fail_to_pass["failure"] == [F2P]
+
+
+def test_nonzero_exit_without_failures_is_invalid(calc_task):
+    # the tests all pass, but the process exits 1: SWE-bench 5.x calls such a log invalid
+    code = FIXED + "\nimport atexit, os\natexit.register(lambda: os._exit(1))\n"
+    res = grade(calc_task, patch_calc(code), factory)
+    assert res.status == "invalid" and not res.resolved and res.exit_code == 1
+    assert "no failed test" in res.reason
+
+
+def test_patch_to_tests_and_conftest_is_dropped(calc_task):
+    # the bug stays; the patch tries to make the tests vacuous and to xfail everything via conftest
+    sneaky = make_patch({"tests/test_calc.py": "def test_visible():\n    pass\n"},
+                        {"tests/test_calc.py": "def test_add():\n    pass\n",
+                         "conftest.py": "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
+                                        "    for i in items:\n        i.add_marker(pytest.mark.xfail)\n"})
+    res = grade(calc_task, sneaky, factory)
+    assert sorted(res.dropped_test_files) == ["conftest.py", "tests/test_calc.py"]
+    assert res.status == "unresolved" and res.tests_status[F2P] == "FAILED"
+
+
+def test_patch_that_does_not_apply(calc_task):
+    bad = "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n-nope\n+still nope\n"
+    assert grade(calc_task, bad, factory).status == "patch_failed"
+
+
+# --------------------------------------------------------------------------------- Harbor and TB1
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+HARBOR_TOML = """\
+    [metadata]
+    difficulty = "easy"
+    category = "terminal"
+    [verifier]
+    timeout_sec = 30.0
+    """
+
+
+@pytest.mark.parametrize("writer,expected", [
+    ('if grep -qx 42 answer.txt; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi',
+     (0.0, 1.0)),
+    ('v=0; grep -qx 42 answer.txt && v=1; echo "{\\"reward\\": $v, \\"style\\": 0.5}" > /logs/verifier/reward.json',
+     (0.0, 1.0)),
+])
+def test_harbor_reward_contract(tmp_path, writer, expected):
+    task_dir = _write(tmp_path / "answer-42", {
+        "instruction.md": "Write 42 to answer.txt", "task.toml": HARBOR_TOML, "environment/README": "empty\n",
+        "tests/test.sh": f"#!/bin/bash\n{writer}\n", "solution/solve.sh": "echo 42 > answer.txt\n"})
+    task = load_task(task_dir)
+    assert (task.kind, task.difficulty, task.category, task.timeout_s) == ("reward", "easy", "terminal", 30.0)
+    v = validate_task(task, factory)  # grades the base, then the diff solve.sh leaves
+    assert v.ok, v.reason
+    assert (v.base.status, v.base.reward) == ("unresolved", expected[0])
+    assert (v.reference.status, v.reference.reward) == ("resolved", expected[1])
+
+
+def test_harbor_missing_reward_is_invalid_and_docker_build_is_unsupported(tmp_path):
+    task = load_task(_write(tmp_path / "t", {"instruction.md": "x", "task.toml": HARBOR_TOML,
+                                             "environment/a.txt": "a\n", "tests/test.sh": "true\n"}))
+    assert grade(task, None, factory).status == "invalid"
+    docker = load_task(_write(tmp_path / "d", {
+        "instruction.md": "x", "task.toml": HARBOR_TOML, "tests/test.sh": "true\n",
+        "environment/Dockerfile": "FROM python:3.11\nRUN pip install numpy\n"}))
+    assert not docker.supported and "RUN" in docker.unsupported_reason
+    assert grade(docker, None, factory).status == "unsupported"
+
+
+TB1_TEST = """\
+    from pathlib import Path
+
+
+    def test_hello():
+        assert Path("hello.txt").read_text().strip() == "hello"
+    """
+
+
+def test_terminal_bench_1_task_yaml(tmp_path):
+    task_dir = _write(tmp_path / "hello-world", {
+        "task.yaml": "instruction: Create hello.txt containing hello\ndifficulty: easy\ncategory: file-ops\n"
+                     "tags: [files]\nmax_test_timeout_sec: 45\n",
+        "Dockerfile": "FROM ghcr.io/laude-institute/t-bench/python-3-13:latest\nWORKDIR /app\nCOPY . /app\n",
+        "run-tests.sh": "#!/bin/bash\npython -m pytest $TEST_DIR/test_outputs.py\n",
+        "tests/test_outputs.py": TB1_TEST, "solution.sh": "echo hello > hello.txt\n", "data.txt": "x\n"})
+    task = load_task(task_dir)
+    assert (task.kind, task.difficulty, task.category, task.timeout_s) == ("tb1", "easy", "file-ops", 45.0)
+    assert task.metadata["tags"] == ["files"]
+    assert sorted(p.name for p in task.repo_dir.iterdir()) == ["data.txt"]  # no tests, no solution
+    v = validate_task(task, factory)
+    assert v.ok, v.reason
+    assert list(v.base.tests_status.values()) == ["FAILED"]
+    assert list(v.reference.tests_status.values()) == ["PASSED"]
+    (task_dir / "Dockerfile").write_text("FROM ubuntu\nRUN apt-get install -y jq\n")
+    assert not load_task(task_dir).supported
+
+
+# ------------------------------------------------------------------------------------ SWE-bench
+def test_swebench_instances_predictions_and_report(tmp_path, calc_task):
+    test_patch = make_patch({"tests/test_calc.py": "def test_visible():\n    pass\n"}, {"tests/test_calc.py": HIDDEN})
+    row = {"instance_id": "calc__calc-1", "repo": "calc/calc", "base_commit": "abc", "problem_statement": "add",
+           "patch": calc_task.solution_patch, "test_patch": test_patch}
+    (tmp_path / "a.json").write_text(json.dumps([dict(row, FAIL_TO_PASS=json.dumps([F2P]),
+                                                      PASS_TO_PASS=json.dumps([P2P]))]))
+    (tmp_path / "b.jsonl").write_text(json.dumps(dict(row, FAIL_TO_PASS=[F2P], PASS_TO_PASS=[P2P])) + "\n")
+    a, b = load_instances(tmp_path / "a.json"), load_instances(tmp_path / "b.jsonl")
+    assert a == b and a[0]["FAIL_TO_PASS"] == [F2P]
+
+    task = instance_to_task(a[0], calc_task.repo_dir, timeout_s=60)
+    gold = grade(task, row["patch"], factory)
+    empty = grade(task, "", factory)
+    assert gold.resolved and not empty.resolved
+
+    preds = write_predictions(tmp_path / "preds.jsonl", [("calc__calc-1", row["patch"])], "oracle")
+    assert json.loads(preds.read_text()) == {"instance_id": "calc__calc-1", "model_name_or_path": "oracle",
+                                             "model_patch": row["patch"]}
+    report = json.loads(write_report(tmp_path / "report.json", {"calc__calc-1": (gold, row["patch"]),
+                                                                 "calc__calc-2": (empty, "")}, "oracle").read_text())
+    assert report["resolved_ids"] == ["calc__calc-1"] and report["empty_patch_ids"] == ["calc__calc-2"]
+    entry = report["instances"]["calc__calc-1"]
+    assert entry["patch_successfully_applied"] and entry["resolved"] and not entry["patch_is_None"]
+    assert entry["tests_status"]["FAIL_TO_PASS"] == {"success": [F2P], "failure": []}
+
+
+def test_swebench_rejects_malformed_lists(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps([{"instance_id": "i", "FAIL_TO_PASS": "not json",
+                                                  "PASS_TO_PASS": []}]))
+    with pytest.raises(ValueError, match="FAIL_TO_PASS"):
+        load_instances(tmp_path / "x.json")
+
+
+# ---------------------------------------------------------------------------------------- ladder
+def test_ladder_is_deterministic_and_validates(tmp_path):
+    build_ladder(tmp_path / "a", seed=3, per_rung=1)
+    build_ladder(tmp_path / "b", seed=3, per_rung=1)
+    tasks = load_tasks(tmp_path / "a")
+    assert [t.category for t in tasks] == ["ladder/answer", "ladder/lookup", "ladder/micro_bug"]
+    for t in tasks:
+        assert (tmp_path / "b" / t.id / "task.toml").read_text() == (t.path / "task.toml").read_text()
+        assert set(t.prompts) == {"terse", "issue", "full"} and t.lines_changed >= 1
+        v = validate_task(t, factory)
+        assert v.ok, (t.id, v.reason)
+
+
+# ---------------------------------------------------------------------------------- real sdist
+@pytest.mark.slow
+def test_mutation_generator_on_a_real_sdist(tmp_path):
+    """inflection 0.5.1 from PyPI (pinned by sha256, cached): one bug-injection task, validated."""
+    lib = LibraryConfig("inflection", "0.5.1", "1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417",
+                        tests=("test_inflection.py",), mutation_tasks=1, deletion_tasks=0, max_candidates=6)
+    cache = Path.home() / ".cache" / "c2jax" / "tasks"
+    try:
+        written = build_library(lib, tmp_path, factory, cache_dir=cache, seed=0)
+    except RuntimeError as e:
+        if "could not download" in str(e):
+            pytest.skip(f"sdist not available: {e}")
+        raise
+    assert len(written) == 1
+    task = load_task(written[0])
+    assert task.category == "bug" and task.files_changed == 1 and task.fail_to_pass
+    assert not (task.repo_dir / "test_inflection.py").exists()  # the hidden tests are not in the agent's repo
+    v = validate_task(task, factory)
+    assert v.ok, v.reason
+    assert set(v.base.fail_to_pass["failure"]) == set(task.fail_to_pass)
+
+
+# ------------------------------------------------------------------------ generators, no sdist
+def test_mutations_are_single_node_splices():
+    src = "def f(a, b):\n    # keep me\n    if a < b:\n        return a + b\n    return 3\n"
+    muts = candidates("m.py", src)
+    assert {m.kind for m in muts} == {"compare", "binop", "constant", "remove_branch"}
+    by_kind = {m.kind: m for m in muts}
+    assert apply(src, [by_kind["compare"]]) == src.replace("a < b", "a <= b")
+    assert apply(src, [by_kind["binop"]]) == src.replace("a + b", "a - b")
+    assert apply(src, [by_kind["constant"]]) == src.replace("return 3", "return 4")
+    assert apply(src, [by_kind["remove_branch"]]) == (
+        "def f(a, b):\n    # keep me\n    pass\n    return 3\n")
+    assert all(m.function == "f" for m in muts)
+
+
+def test_feature_deletion_removes_def_and_reexports(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "from .core import keep, gone\n__all__ = ['keep', 'gone']\n",
+                      "pkg/core.py": "def keep():\n    return 1\n\n\n@staticmethod\ndef gone():\n    return 2\n"})
+    mods = ["pkg/__init__.py", "pkg/core.py"]
+    assert ("pkg/core.py", "gone") in deletable(tmp_path, mods)
+    edits = delete_feature(tmp_path, mods, "pkg/core.py", "gone")
+    assert edits["pkg/__init__.py"] == "from .core import keep\n__all__ = ['keep']\n"
+    assert edits["pkg/core.py"] == "def keep():\n    return 1\n\n\n"
+
+
+def test_release_task_from_two_versions(tmp_path):
+    """Version 2 adds `sub`; its test of sub is F2P on version 1's source, its test of add is P2P."""
+    test_v2 = ("from calc import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n\n\n"
+               "def test_sub():\n    from calc import sub\n\n    assert sub(3, 1) == 2\n")
+    old = _write(tmp_path / "v1", {"calc.py": "def add(a, b):\n    return a + b\n",
+                                    "CHANGES.rst": "1.0\n---\n- first release\n",
+                                    "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n"
+                                                          "    assert add(1, 2) == 3\n"})
+    new = _write(tmp_path / "v2", {"calc.py": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+                                              "    return a - b\n",
+                                    "CHANGES.rst": "2.0\n---\n- add ``sub``\n\n1.0\n---\n- first release\n",
+                                    "tests/test_calc.py": test_v2})
+    assert changelog_added(old, new) == ["2.0", "- add ``sub``"]
+    base = Task(id="calc-release-2.0", instruction="", repo_dir=None, tests_dir=None, repo="calc")
+    path = build_release_task(base, old, new, "calc", factory, tmp_path / "out", tests=("tests",))
+    task = load_task(path)
+    assert task.fail_to_pass == ("tests/test_calc.py::test_sub",)
+    assert task.pass_to_pass == ("tests/test_calc.py::test_add",)
+    assert task.prompts["terse"] == "2.0" and "add ``sub``" in task.prompts["issue"]
+    assert (task.lines_changed, task.files_changed) == (4, 1)
+    v = validate_task(task, factory)
+    assert v.ok, v.reason
+
+
+def test_splits_must_not_share_a_repository():
+    def t(i, repo, split):
+        return Task(id=i, instruction="", repo_dir=None, tests_dir=None, repo=repo, metadata={"split": split})
+
+    assert check_splits_disjoint([t("a", "toolz", "train"), t("b", "six", "eval")]) == {"train": ["a"],
+                                                                                          "eval": ["b"]}
+    with pytest.raises(ValueError, match="toolz"):
+        check_splits_disjoint([t("a", "toolz", "train"), t("b", "toolz", "eval")])
+
+
+def test_test_file_rule_and_patch_size():
+    for path in ["tests/test_a.py", "pkg/tests/data.json", "conftest.py", "sub/conftest.py", "test_x.py",
+                 "x_test.py", "pytest.ini", "tox.ini", "setup.cfg"]:
+        assert is_test_path(path), path
+    for path in ["pkg/core.py", "test_output.txt", "pkg/testing_utils.py", "latest.py"]:
+        assert not is_test_path(path), path
+    patch = make_patch({"a.py": "x = 1\n", "tests/test_a.py": "t = 1\n"},
+                       {"a.py": "x = 2\ny = 3\n", "tests/test_a.py": "t = 2\n"})
+    assert patch_size(patch) == (5, 2)
+    kept, dropped = drop_test_files(patch)
+    assert dropped == ["tests/test_a.py"] and patch_size(kept) == (3, 1)
