@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
+from c2jax.config import MeshConfig
+from c2jax.mesh import activation_rules, jit_sharded
 from c2jax.train.step import update_router_bias
 from models.transformer import Transformer
 from rl.advantages import zero_variance_fraction
@@ -73,7 +76,12 @@ def _token_logprobs(model: Transformer, mb: RLBatch, want_logits: bool):
     return logp, entropy, out
 
 
-def make_rl_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: RLConfig):
+def make_rl_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: RLConfig, *,
+                 mesh: Mesh | None = None, mesh_config: MeshConfig | None = None, state_shardings=None):
+    """With `mesh`, the step is sharded like the pretraining step (c2jax.mesh.jit_sharded): explicit
+    state shardings (those of the state passed in, `jax.tree.map(lambda x: x.sharding, state)`), the
+    state donated, and the logical activation rules installed, so MoE layers run expert-parallel and
+    attention context-parallel when the mesh has those axes. The batch may arrive unsharded."""
     lcfg, kcfg = cfg.loss, cfg.kl
     use_kl = kcfg.coef > 0
     want_entropy = cfg.compute_entropy or lcfg.entropy_coef > 0
@@ -147,7 +155,11 @@ def make_rl_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: 
         metrics["policy_loss"] = policy_loss
         return RLState(state.step + 1, params, model_state, opt_state, ref), metrics
 
-    return jax.jit(rl_step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(rl_step, donate_argnums=0)
+    if state_shardings is None:
+        raise ValueError("make_rl_step(mesh=...) needs state_shardings (jax.tree.map(lambda x: x.sharding, state))")
+    return jit_sharded(rl_step, mesh, activation_rules(mesh_config), state_shardings, None)
 
 
 def _masked_mean(x, mask):

@@ -115,7 +115,7 @@ def test_inconsistent_values_are_rejected_with_where_they_sit(model, message):
 
 
 def test_mesh_sizes_must_be_positive_and_describe_the_mesh():
-    with pytest.raises(ConfigError, match="^mesh: fsdp must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match=r"^mesh: fsdp must be a positive integer or -1 \(inferred\), got 0"):
         from_dict(RunConfig, {"mesh": {"fsdp": 0}})
     mesh = MeshConfig(data=2, fsdp=2, expert=2)
     assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor")

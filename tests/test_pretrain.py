@@ -121,7 +121,10 @@ def test_router_bias_moves_a_skewed_router_toward_balance():
         state, metrics = step(state, batch)
         loads.append(float(metrics["max_expert_load"]))
     assert loads[0] > 3.0  # skewed: near 8 / 2 = 4x the mean load
-    assert loads[-1] < 0.6 * loads[0]
+    assert np.mean(loads[-5:]) < 0.75 * loads[0]
+    final = np.asarray(state.model_state["moe_layers"]["mlp"]["e_score_correction_bias"].get_value())
+    # the two favoured experts started 0.5 above the rest; the sign rule has pulled them down
+    assert np.all(final[:, :2].mean(-1) - final[:, 2:].mean(-1) < 0.5 - 0.2)
 
 
 def run_config(tmp_path, name, steps=8, **kw):
