@@ -101,3 +101,17 @@ def jit_sharded(step_fn, mesh: Mesh, rules: Mapping[str, object], state_sharding
     return jax.jit(traced, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0,) if donate else ())
+
+
+def place_on_mesh(tree, mesh: Mesh):
+    """Arrays of `tree` not already laid out on `mesh` (scalars such as step and optimizer counts, made on
+    one device) are replicated over it, so one jitted step sees every input on the same devices."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(one, tree)

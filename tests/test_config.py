@@ -190,10 +190,25 @@ def test_save_resolved_writes_a_loadable_config(tmp_path):
     assert from_dict(RunConfig, load_yaml(path)) == cfg
 
 
+def _load_any(path):
+    """Each YAML under experiments/configs is one kind of config, named by its file-name prefix."""
+    if path.name.startswith("cpt_"):
+        from c2jax.train.config import load_pretrain_config
+
+        return load_pretrain_config(str(path))
+    if path.name.startswith("tasks_"):
+        from rl.tasks.build import SuiteConfig
+
+        return from_dict(SuiteConfig, load_yaml(path))
+    return load_config(str(path))
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load(path):
-    cfg = load_config(str(path))
-    assert isinstance(cfg.model, ModelConfig)
+    cfg = _load_any(path)
+    assert dataclasses.is_dataclass(cfg)
+    if hasattr(cfg, "model"):
+        assert isinstance(cfg.model, ModelConfig)
 
 
 def test_defaults_are_valid():

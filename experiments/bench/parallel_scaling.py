@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from c2jax.config import MeshConfig
-from c2jax.mesh import activation_rules, batch_shardings, jit_sharded, make_mesh, shard_state
+from c2jax.mesh import activation_rules, batch_shardings, jit_sharded, make_mesh, place_on_mesh, shard_state
 from models.config import preset
 from models.transformer import init
 
@@ -86,7 +86,7 @@ def run_mesh(cfg, sizes: dict, steps: int, seq: int, batch_size: int):
     graphdef, params, rest = nnx.split(init(cfg, seed=0), nnx.Param, ...)
     tx = optax.adamw(1e-3)
     params, rest = shard_state(params, mesh), shard_state(rest, mesh)
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = place_on_mesh(jax.jit(tx.init)(params), mesh)
     state = (params, rest, opt_state)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     ids = jax.random.randint(jax.random.key(0), (batch_size, seq + 1), 0, cfg.vocab_size)
