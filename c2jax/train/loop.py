@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from c2jax.mesh import activation_rules, batch_spec
 from c2jax.train.checkpoint import Checkpointer
 from c2jax.train.config import PhaseConfig, PretrainConfig, save_resolved
 from c2jax.train.evaluate import codebase_nll, eval_loss, make_eval_step, read_codebase
@@ -96,7 +97,7 @@ class Trainer:
         self.graphdef, state = init_train_state(model, self.tx, seed=cfg.seed)
         self.has_mtp = model.mtp is not None
         self.mesh = self.state_shardings = None
-        if cfg.mesh.num_devices > 1:
+        if _mesh_devices(cfg) > 1:
             state = self._shard(state)
         self.state = state
         self.meta: dict[str, Any] = {"phase": 0, "data_state": None, "mtp_initialized": False,
@@ -116,11 +117,13 @@ class Trainer:
     def _shard(self, state: TrainState) -> TrainState:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from c2jax.mesh import make_mesh, shard_state
+        from c2jax.mesh import make_mesh, param_rules, place_on_mesh, shard_state
 
         self.mesh = make_mesh(self.cfg.mesh)
-        params, model_state = shard_state(state.params, self.mesh), shard_state(state.model_state, self.mesh)
-        opt_state = jax.jit(self.tx.init)(params)
+        rules = param_rules(self.cfg.mesh)
+        params = shard_state(state.params, self.mesh, rules)
+        model_state = shard_state(state.model_state, self.mesh, rules)
+        opt_state = place_on_mesh(jax.jit(self.tx.init)(params), self.mesh)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         state = TrainState(jax.device_put(state.step, replicated), params, model_state, opt_state,
                            jax.device_put(state.rng, replicated))
@@ -133,8 +136,8 @@ class Trainer:
             return None
         from jax.sharding import NamedSharding, PartitionSpec
 
-        axes = tuple(a for a in ("data", "fsdp", "expert") if self.mesh.shape[a] > 1) or None
-        return NamedSharding(self.mesh, PartitionSpec(None, axes) if phase.grad_accum > 1 else PartitionSpec(axes))
+        spec = batch_spec(self.mesh, activation_rules(self.cfg.mesh))  # rows over batch axes, sequence over CP
+        return NamedSharding(self.mesh, PartitionSpec(None, *spec) if phase.grad_accum > 1 else spec)
 
     # -- pieces ------------------------------------------------------------------------------------
     def train_step(self, phase: PhaseConfig, train_mtp: bool):
@@ -146,7 +149,8 @@ class Trainer:
             self._steps[key] = make_train_step(
                 graphdef, self.tx, loss.router_bias_rate, z_loss=loss.z_loss, mtp_weight=loss.mtp_weight,
                 train_mtp=train_mtp, state_shardings=self.state_shardings,
-                batch_sharding=self._batch_sharding(phase), donate=True)
+                batch_sharding=self._batch_sharding(phase), donate=True, mesh=self.mesh,
+                rules=activation_rules(self.cfg.mesh) if self.mesh is not None else None)
         return self._steps[key]
 
     def save(self) -> None:
@@ -191,7 +195,7 @@ class Trainer:
         start = int(self.state.step)
         flops_token = {}
         peak = device_peak_flops(jax.devices()[0]) or measure_peak_flops()
-        peak *= max(cfg.mesh.num_devices, 1)
+        peak *= max(_mesh_devices(cfg), 1)
         bar = None
         if cfg.progress:
             from tqdm import tqdm
@@ -269,3 +273,8 @@ class Trainer:
     def close(self) -> None:
         self.ckpt.close()
         self.writer.close()
+
+
+def _mesh_devices(cfg: PretrainConfig) -> int:
+    """Devices the run's mesh spans (a -1 axis takes every available device)."""
+    return cfg.mesh.resolve(len(jax.devices())).num_devices if -1 in cfg.mesh.shape else cfg.mesh.num_devices

@@ -76,7 +76,7 @@ def _all_finite(tree) -> jnp.ndarray:
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate: float = 0.0, *,
                     z_loss: float = 0.0, mtp_weight: float = 0.0, train_mtp: bool = False,
-                    state_shardings=None, batch_sharding=None, donate: bool = False):
+                    state_shardings=None, batch_sharding=None, donate: bool = False, mesh=None, rules=None):
     """train_step(state, batch) -> (state, metrics).
 
     loss = sum_t m_t CE_t / sum_t m_t  +  z_loss * sum_t m_t lse_t^2 / sum_t m_t
@@ -167,6 +167,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
         metrics["skipped"] = 1 - finite.astype(jnp.int32)
         return kept, metrics
 
+    if mesh is not None:
+        # activation rules installed while tracing: MoE layers go expert-parallel and attention
+        # context-parallel when the mesh has those axes (c2jax/mesh.py, docs/parallelism.md)
+        from models.logical import logical_rules
+
+        plain_step = train_step
+
+        def train_step(state, batch):
+            with logical_rules(mesh, rules):
+                return plain_step(state, batch)
     if state_shardings is not None:
         return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=(state_shardings, None), donate_argnums=(0,) if donate else ())
