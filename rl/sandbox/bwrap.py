@@ -168,8 +168,10 @@ class BwrapSandbox(Sandbox):
         argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                 "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
-                *_system_args(self._state_dir),
+                # /tmp before the system binds: a Python prefix (a venv in a checkout) may itself live
+                # under /tmp, and a later tmpfs would hide it
                 "--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
+                *_system_args(self._state_dir),
                 "--bind", str(self._workspace.merged), WORKSPACE]
         for host, inside in self._extra.items():
             argv += ["--ro-bind", host, inside]
