@@ -86,7 +86,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         for step, tokens in zip(range(args.steps), batches(train, args.batch, args.seq, seed=0)):
             state, metrics = train_step(state, jnp.asarray(tokens))
-            row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
+            # scalars as numbers, per-layer metrics (expert load per MoE layer) as lists
+            row = {"step": step + 1, **{k: float(v) if v.ndim == 0 else v.tolist() for k, v in metrics.items()}}
             if step % 10 == 0 or step == args.steps - 1:
                 row["eval_loss"] = float(eval_loss(state.params, state.model_state, jnp.asarray(eval_batch)))
                 print(f"step {step + 1:4d}  loss {row['loss']:.3f}  eval {row['eval_loss']:.3f}  "
