@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import abc
 import base64
 import functools
 import json
@@ -46,7 +47,7 @@ KIMI_PATTERN = "|".join([
 ])
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """encode(str) -> ids without special tokens; ids of the specials are attributes."""
 
     vocab_size: int
@@ -55,8 +56,8 @@ class Tokenizer:
     pad_id: int
     name: str
 
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -65,8 +66,8 @@ class Tokenizer:
         """int32 arrays, the pipeline's fast path."""
         return [np.asarray(ids, np.int32) for ids in self.encode_batch(texts)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
