@@ -1,0 +1,76 @@
+"""Paper configs load and plan; each ablation script runs (--quick) and its numbers match closed forms."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from c2jax.plan import plan
+from c2jax.train.config import load_pretrain_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "experiments" / "configs"
+ABLATIONS = ROOT / "experiments" / "ablations"
+
+
+def _load_script(name: str):
+    path = ABLATIONS / name / "run.py"
+    spec = importlib.util.spec_from_file_location(f"ablation_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["composer2_k2.5.yaml", "composer2_cpt_small.yaml"])
+def test_composer2_configs_load(name):
+    cfg = load_pretrain_config(CONFIGS / name)
+    assert [p.name for p in cfg.phases] == ["main", "long", "sft"]
+    assert cfg.optimizer.name == "adamw"
+    long = cfg.phases[1]
+    assert long.seq_len > cfg.phases[0].seq_len and long.rope_scaling is not None
+
+
+def test_full_scale_config_is_the_report_setup_and_plans():
+    cfg = load_pretrain_config(CONFIGS / "composer2_k2.5.yaml")
+    assert cfg.model.n_routed_experts == 384 and cfg.model.num_experts_per_tok == 8  # Kimi K2.5 routing
+    assert [p.seq_len for p in cfg.phases] == [32768, 262144, 32768]
+    mesh = cfg.mesh.resolve(64)
+    assert (mesh.sizes["expert"], mesh.sizes["context"], mesh.sizes["fsdp"]) == (8, 2, 4)
+    p = plan(cfg.model, mesh, 32768, 64)
+    # ~1.03T fp32 master parameters, sharded over at most all 64 devices: at least 4 TB / 64 per device
+    assert p.params_bytes > 1.0e12 * 4 / 64
+    assert p.optimizer_bytes == pytest.approx(2 * p.params_bytes, rel=0.01)  # fp32 m and v, like the masters
+
+
+def test_kl_estimators_bias_matches_closed_form(tmp_path):
+    result = _load_script("03_kl_estimators").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "kl_estimators.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == result["rows"]
+    n = result["config"]["samples"]
+    for row in result["rows"]:
+        mu = row["mu"]
+        assert row["true_kl"] == pytest.approx(mu**2 / 2)
+        # k1 = (x - mu)^2/2 - x^2/2 = mu^2/2 - mu x: mean mu^2/2, std |mu|; within 5 standard errors
+        assert abs(row["k1"]["bias"]) < 5 * abs(mu) / math.sqrt(n)
+        assert row["k1"]["std"] == pytest.approx(abs(mu), rel=0.1)
+        # k2 = (mu^2/2 - mu x)^2 / 2: E = (mu^4/4 + mu^2) / 2, so bias = mu^4 / 8
+        assert row["k2"]["bias"] == pytest.approx(mu**4 / 8, rel=0.3, abs=3 * mu**2 / math.sqrt(n))
+
+
+def test_length_penalty_curves_match_closed_forms(tmp_path):
+    result = _load_script("05_length_penalty").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "length_penalty.png").stat().st_size > 0
+    for c in result["curves"]:
+        x, y, k, q = np.array(c["x"]), np.array(c["cost"]), c["k"], c["q"]
+        if q == 0:
+            want = x
+        elif q == 1:
+            want = np.log(1 + k * x) / k
+        else:
+            want = ((1 + k * x) ** (1 - q) - 1) / (k * (1 - q))
+        np.testing.assert_allclose(y, want, rtol=1e-9, atol=1e-9)
+        marg = list(c["tool_call_marginal_cost"].values())
+        assert marg == sorted(marg, reverse=True)  # concave: later calls never cost more
