@@ -74,3 +74,32 @@ def test_length_penalty_curves_match_closed_forms(tmp_path):
         np.testing.assert_allclose(y, want, rtol=1e-9, atol=1e-9)
         marg = list(c["tool_call_marginal_cost"].values())
         assert marg == sorted(marg, reverse=True)  # concave: later calls never cost more
+
+
+def test_advantage_std_normalisation_amplifies_groups_without_signal(tmp_path):
+    result = _load_script("04_advantage_std").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "advantage_std.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())
+    on, off = result["summary"]["std_on"], result["summary"]["std_off"]
+    g = result["config"]["group_size"]
+    # normalised by the sample std (ddof 1), the advantages of a group have RMS sqrt((g-1)/g) exactly, and the
+    # mean |.| of a Gaussian sample is below its RMS (about sqrt(2/pi) of it)
+    assert 0.5 < on["noise_group_abs_advantage"] <= math.sqrt((g - 1) / g) + 1e-6
+    # unnormalised, the same groups keep the noise at its own scale: E|x - mean| < noise_scale
+    assert off["noise_group_abs_advantage"] < result["config"]["noise_scale"]
+    for run in result["runs"]:
+        assert len(run["correctness"]) == result["config"]["steps"]
+        assert all(0.0 <= c <= 1.0 for c in run["correctness"])
+
+
+def test_router_replay_removes_routing_flips_from_the_mismatch(tmp_path):
+    result = _load_script("08_router_replay").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "router_replay.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())
+    for row in result["rows"]:
+        off, on = row["replay_off"], row["replay_on_filter0.0"]
+        assert 0.0 <= row["routing_disagreement"] < 0.2
+        # without the filter the trainer uses exactly the sampler's experts
+        assert on["filter_override_fraction"] == 0.0
+        assert on["tokens"] == off["tokens"] > 0
+        # what is left with replay is rounding only, so it is never worse in the tail than a flipped expert
+        assert on["abs_max"] <= off["abs_max"] + 1e-6
+        assert on["abs_mean"] < 0.05
