@@ -1,0 +1,142 @@
+"""Agent factories for the runner: `factory(task, sample) -> Agent`, one fresh agent per episode.
+
+  scripted oracle   replays the task's reference through the tools (write the patch, `git apply` it,
+                    submit; an eager-editing question is answered with its reference answer): it must
+                    score 100% on a valid suite, which makes it the suite's end-to-end check.
+  scripted noop     submits without doing anything: must score 0% (the base repository fails).
+  openai URL        `rl.harness.OpenAIAgent` against any OpenAI-compatible endpoint.
+  checkpoint PATH   a c2jax pretraining run directory (config.yaml + checkpoints/), served by one
+                    `InferenceEngine` behind a lock and sampled through `SamplerAgent`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from rl.eval.config import AgentConfig
+from rl.harness.agents import Agent, ScriptedAgent
+from rl.tasks.task import Task
+
+AgentFactory = Callable[[Task, int], Agent]
+_REF = ".c2jax-reference.patch"
+_SOLVE = ".c2jax-solve.sh"
+
+
+def oracle_turns(task: Task) -> list[list[dict]]:
+    """Tool calls that reproduce the task's reference solution."""
+    def call(name, **arguments):
+        return {"name": name, "arguments": arguments}
+
+    if task.metadata.get("behaviour") == "eager_editing":
+        return [[call("submit", message=str(task.metadata.get("reference_answer", "")))]]
+    if task.solution_patch:
+        return [[call("write_file", path=_REF, content=task.solution_patch)],
+                [call("run_terminal_cmd", command=f"git apply --whitespace=nowarn {_REF}; rm -f {_REF}")],
+                [call("submit", message="Applied the fix.")]]
+    if task.solution_script:
+        return [[call("write_file", path=_SOLVE, content=task.solution_script)],
+                [call("run_terminal_cmd", command=f"bash {_SOLVE}; rm -f {_SOLVE}")],
+                [call("submit", message="Ran the solution.")]]
+    raise ValueError(f"task {task.id} has no reference solution (solution/*.patch or solve.sh) for the "
+                     "scripted oracle")
+
+
+def scripted_factory(mode: str = "oracle") -> AgentFactory:
+    if mode == "oracle":
+        return lambda task, sample: ScriptedAgent(oracle_turns(task), name="scripted-oracle")
+    if mode == "noop":
+        return lambda task, sample: ScriptedAgent([[{"name": "submit", "arguments": {"message": "Done."}}]],
+                                                  name="scripted-noop")
+    raise ValueError(f"scripted agent mode must be 'oracle' or 'noop', got {mode!r}")
+
+
+def openai_factory(cfg: AgentConfig) -> AgentFactory:
+    from rl.harness.openai_agent import OpenAIAgent
+
+    if not cfg.target.startswith(("http://", "https://")):
+        raise ValueError(f"openai agent: {cfg.target!r} is not an http(s) base URL (e.g. http://localhost:8000/v1)")
+    key = os.environ.get(cfg.api_key_env, "EMPTY")
+    return lambda task, sample: OpenAIAgent(cfg.model, base_url=cfg.target, api_key=key,
+                                            temperature=cfg.temperature, name=f"openai:{cfg.model}")
+
+
+class LockedPolicy:
+    """A `TokenPolicy` shared by concurrent episodes: the engine is single-threaded, so calls take turns.
+    (Continuous batching across episodes would go through models.inference.server.EngineWorker.)"""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+
+    def generate_tokens(self, prompt_ids, *, max_new_tokens, stop_token_ids, temperature, seed):
+        with self._lock:
+            return self.engine.generate_tokens(prompt_ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids, temperature=temperature, seed=seed)
+
+
+def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int = 8192):
+    """(engine, tokenizer, step) from a pretraining run directory: its resolved config.yaml names the
+    model and tokenizer; the params of `step` (newest when -1) are restored from checkpoints/."""
+    import jax
+    from flax import nnx
+
+    from c2jax.config import from_dict, load_yaml
+    from c2jax.data.tokenizer import load_tokenizer
+    from c2jax.train.checkpoint import Checkpointer
+    from c2jax.train.config import PretrainConfig
+    from c2jax.train.optim import make_optimizer
+    from c2jax.train.step import init_train_state
+    from models.inference import EngineConfig, InferenceEngine
+    from models.transformer import init
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"checkpoint agent: {run_dir} is not a c2jax run directory (needs config.yaml and "
+                         "checkpoints/)")
+    cfg = from_dict(PretrainConfig, load_yaml(run_dir / "config.yaml"))
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    steps = ckpt.steps()
+    if not steps:
+        raise ValueError(f"checkpoint agent: {run_dir / 'checkpoints'} holds no checkpoint")
+    chosen = steps[-1] if step < 0 else step
+    if chosen not in steps:
+        raise ValueError(f"checkpoint agent: step {step} not in {run_dir / 'checkpoints'} (has {steps})")
+    tx, _ = make_optimizer(cfg.optimizer, cfg.total_steps)
+    # shapes only: the restore fills every leaf, so the random init is never materialized
+    abstract = jax.eval_shape(lambda: init_train_state(init(cfg.model, seed=cfg.seed), tx, seed=cfg.seed)[1])
+    state, _ = ckpt.restore(chosen, abstract)
+    ckpt.close()
+    graphdef = nnx.split(nnx.eval_shape(lambda: init(cfg.model, seed=cfg.seed)), nnx.Param, ...)[0]
+    merged = nnx.merge(graphdef, state.params, state.model_state)
+    tokenizer = load_tokenizer(cfg.data["tokenizer"])
+    engine = InferenceEngine.from_model(merged, config=EngineConfig(max_len=max_len), version=chosen,
+                                        detokenize=lambda ids: tokenizer.decode(ids))
+    return engine, tokenizer, chosen
+
+
+def checkpoint_factory(cfg: AgentConfig) -> AgentFactory:
+    from rl.harness import ChatRenderer, SamplerAgent, add_chat_special_tokens
+
+    engine, tokenizer, step = load_checkpoint_engine(cfg.target, step=cfg.step)
+    add_chat_special_tokens(tokenizer)
+    if tokenizer.get_vocab_size() > engine.cfg.vocab_size:
+        raise ValueError(f"checkpoint agent: the tokenizer with chat tokens has {tokenizer.get_vocab_size()} "
+                         f"ids but the model's vocabulary is {engine.cfg.vocab_size}; train with the chat "
+                         "special tokens in the vocabulary")
+    policy, renderer = LockedPolicy(engine), ChatRenderer(tokenizer)
+    return lambda task, sample: SamplerAgent(policy, renderer, temperature=cfg.temperature,
+                                             name=f"checkpoint@{step}")
+
+
+def make_factory(cfg: AgentConfig) -> AgentFactory:
+    """The agent factory an AgentConfig names; errors name the unknown kind."""
+    if cfg.kind == "scripted":
+        return scripted_factory(cfg.target)
+    if cfg.kind == "openai":
+        return openai_factory(cfg)
+    if cfg.kind == "checkpoint":
+        return checkpoint_factory(cfg)
+    raise ValueError(f"unknown agent kind {cfg.kind!r}; expected scripted, openai or checkpoint")
