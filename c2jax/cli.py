@@ -37,14 +37,37 @@ def command_modules() -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="c2jax", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    registered = {ep.value: ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
     for name in command_modules():
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            if name in COMMANDS:
+                raise
+            # a broken plugin from an upper layer must not take `c2jax info` etc. down with it; its own
+            # subcommand still fails, loudly, with the import error
+            _unavailable(subparsers, registered.get(name, name.rsplit(".", 1)[-1]), name, e)
+            continue
         module.add_parser(subparsers).set_defaults(run=module.run)
     return parser
 
 
+def _unavailable(subparsers, command: str, module: str, error: ImportError) -> None:
+    reason = f"{module} failed to import: {error}"
+    sub = subparsers.add_parser(command, help=f"(unavailable: {reason})", add_help=False)
+
+    def run(args) -> int:
+        print(f"error: c2jax {command}: {reason}", file=sys.stderr)
+        return 2
+
+    sub.set_defaults(run=run, unavailable=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args) or 0
     except ConfigError as e:

@@ -192,10 +192,18 @@ def test_save_resolved_writes_a_loadable_config(tmp_path):
 
 def _load_any(path):
     """Each YAML under experiments/configs is one kind of config, named by its file-name prefix."""
-    if path.name.startswith("cpt_"):
+    if path.name.startswith(("cpt_", "composer2_")):
         from c2jax.train.config import load_pretrain_config
 
         return load_pretrain_config(str(path))
+    if path.name.startswith("eval_"):
+        from rl.eval.config import load_eval_config
+
+        return load_eval_config(str(path))
+    if path.name.startswith("rl_"):
+        from rl.system.config import load_system_config
+
+        return load_system_config(str(path))
     if path.name.startswith("tasks_"):
         from rl.tasks.build import SuiteConfig
 
@@ -240,3 +248,13 @@ def test_a_field_without_default_is_required():
 
     with pytest.raises(ConfigError, match=r"^outer\.x: missing required key$"):
         from_dict(Needs, {}, path="outer")
+
+
+def test_a_broken_plugin_command_does_not_break_the_others(monkeypatch, capsys):
+    from c2jax import cli
+
+    monkeypatch.setattr(cli, "command_modules", lambda: list(cli.COMMANDS) + ["rl.no_such_command"])
+    assert cli.main(["config", "tiny"]) == 0
+    capsys.readouterr()
+    assert cli.main(["no_such_command", "--config", "x.yaml"]) == 2
+    assert "rl.no_such_command failed to import" in capsys.readouterr().err
