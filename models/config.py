@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 MOE_IMPLS = ("sorted", "ragged", "dense")
 MOE_EP_IMPLS = ("allgather", "ragged_a2a")
+# kernels.qlinear.RECIPES (kept literal here so the config imports nothing; tests check the two agree)
+MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_per_tensor_fwd+mxfp8_bwd",
+                     "mxfp8_floor", "fp8_deepseek")
+MOE_QUANT_DIVISIONS = ("ieee", "approx")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 SCORING_FUNCS = ("sigmoid", "softmax")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -95,6 +99,11 @@ class ModelConfig:
     # token exchange under expert parallelism (models/expert_parallel.py): "allgather" runs everywhere;
     # "ragged_a2a" (jax.lax.ragged_all_to_all) needs a GPU/TPU, XLA:CPU does not implement it
     moe_ep_impl: str = "allgather"
+    # low-precision recipe of the routed-expert GEMMs (fprop, dgrad, wgrad) of moe_impl="sorted"
+    # (kernels/qlinear.py, docs/kernels.md); "bf16" quantizes nothing and runs the plain einsums
+    moe_quant: str = "bf16"
+    # division in the quantizers: "ieee" or "approx" (reciprocal-multiply; Composer 2's NVFP4 ablation)
+    moe_quant_division: str = "ieee"
     scan_layers: bool = True
     remat_policy: str = "none"
     # router replay plausibility filter (Composer 2 sec. 5): a replayed expert whose live gating score is
@@ -152,6 +161,14 @@ class ModelConfig:
             raise ConfigError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.moe_ep_impl not in MOE_EP_IMPLS:
             raise ConfigError(f"moe_ep_impl must be one of {MOE_EP_IMPLS}, got {self.moe_ep_impl!r}")
+        if self.moe_quant not in MOE_QUANT_RECIPES:
+            raise ConfigError(f"moe_quant must be one of {MOE_QUANT_RECIPES}, got {self.moe_quant!r}")
+        if self.moe_quant_division not in MOE_QUANT_DIVISIONS:
+            raise ConfigError(
+                f"moe_quant_division must be one of {MOE_QUANT_DIVISIONS}, got {self.moe_quant_division!r}"
+            )
+        if self.moe_quant != "bf16" and self.moe_impl != "sorted":
+            raise ConfigError(f"moe_quant={self.moe_quant!r} needs moe_impl='sorted', got {self.moe_impl!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         for name in ("dtype", "param_dtype"):

@@ -6,7 +6,9 @@ Dispatch paths (`ModelConfig.moe_impl`):
           C is chosen at run time from a few static buckets (`moe_capacity_factors` x the balanced load,
           then T, the hard bound since a token picks an expert at most once) with `lax.switch`, so no
           token is ever dropped and a balanced batch pays only ~1.25x the useful FLOPs. The default;
-          its backward is written by hand (see `_sorted_experts`).
+          its backward is written by hand (see `_sorted_experts`). With `ModelConfig.moe_quant` other
+          than "bf16", its six expert GEMMs (fprop, dgrad, wgrad of both FCs) run through
+          kernels.qlinear, each operand quantized along that GEMM's contraction axis (docs/kernels.md).
   ragged  `jax.lax.ragged_dot` over the sorted rows. Exact grouped GEMM semantics; XLA:CPU lowers it
           to a dense masked matmul (~E x the FLOPs), so it is an oracle on CPU and a candidate on GPU.
   dense   every expert on every token, combined with a [T, E] weight matrix. The simplest oracle.
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels import qlinear
 from models.config import ModelConfig
 from models.layers import MLP, RouterBias, param, swiglu_act_grads
 from models.logical import active_mesh_axes
@@ -195,22 +198,29 @@ def _slots(plan: _Plan, capacity: int, num_experts: int):
     return slot, src.reshape(-1)
 
 
-def _experts_fwd_at(capacity, discard, x, weights, gate_up, down, plan):
+def _experts_fwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan):
     num_tokens, k = weights.shape
     num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
     slot, src = _slots(plan, capacity, num_experts)
     pad = _pad_row if discard else (lambda a: a)  # discarded assignments read the appended zero row
     h = _take(_pad_row(x), src // k).reshape(num_experts, capacity, d)  # empty rows: src // k == T
-    gu = jnp.einsum("ecd,edg->ecg", h, gate_up)
+    if recipe is None:
+        gu = jnp.einsum("ecd,edg->ecg", h, gate_up)
+    else:
+        gu = qlinear.fprop(h, gate_up, recipe)[0]
     act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
-    out = jnp.einsum("ecf,efd->ecd", act, down).reshape(num_experts * capacity, d)
+    if recipe is None:
+        out = jnp.einsum("ecf,efd->ecd", act, down)
+    else:
+        out = qlinear.fprop(act, down, recipe)[0]
+    out = out.reshape(num_experts * capacity, d)
     out_a = _take(pad(out), slot)  # [T*k, d], assignment order
     gu_a = _take(pad(gu.reshape(num_experts * capacity, 2 * f)), slot)
     y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
     return y, gu_a, out_a
 
 
-def _experts_bwd_at(capacity, discard, x, weights, gate_up, down, plan, gu_a, out_a, dy):
+def _experts_bwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan, gu_a, out_a, dy):
     num_tokens, k = weights.shape
     num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
     slot, src = _slots(plan, capacity, num_experts)
@@ -221,6 +231,9 @@ def _experts_bwd_at(capacity, discard, x, weights, gate_up, down, plan, gu_a, ou
     h = _take(_pad_row(x), tok).reshape(num_experts, capacity, d)
     gu = _take(_pad_row(gu_a), src).reshape(num_experts, capacity, 2 * f)
     gate, up = gu[..., :f], gu[..., f:]
+    if recipe is not None:
+        return _quantized_experts_bwd(recipe, h, gate, up, dout, gate_up, down, slot, discard, dweights,
+                                      num_tokens, k)
     dact = jnp.einsum("ecd,efd->ecf", dout, down)
     act, dgate, dup = swiglu_act_grads(gate, up, dact)
     ddown = jnp.einsum("ecf,ecd->efd", act, dout)
@@ -231,28 +244,46 @@ def _experts_bwd_at(capacity, discard, x, weights, gate_up, down, plan, gu_a, ou
     return dx, dweights, dgate_up, ddown
 
 
+def _quantized_experts_bwd(recipe, h, gate, up, dout, gate_up, down, slot, discard, dweights, num_tokens, k):
+    """The backward GEMMs of `_experts_bwd_at` under `recipe`: dgrad and wgrad quantized along their own
+    contraction axes (wgrad along the capacity axis, so scale blocks never span two experts), and the
+    straight-through masks of the two forward GEMMs, recomputed from the same operands."""
+    num_experts, capacity, d = h.shape
+    act_fwd = jax.nn.silu(gate) * up  # the operand the forward quantized, bit for bit
+    _, mask_act, mask_down = qlinear.fprop(act_fwd, down, recipe)
+    dact = qlinear.apply_mask(qlinear.dgrad(dout, down, recipe), mask_act)
+    act, dgate, dup = swiglu_act_grads(gate, up, dact)
+    ddown = qlinear.apply_mask(qlinear.wgrad(act, dout, recipe), mask_down)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)
+    _, mask_h, mask_gate_up = qlinear.fprop(h, gate_up, recipe)
+    dgate_up = qlinear.apply_mask(qlinear.wgrad(h, dgu, recipe), mask_gate_up)
+    dh = qlinear.apply_mask(qlinear.dgrad(dgu, gate_up, recipe), mask_h).reshape(num_experts * capacity, d)
+    dx = _take(_pad_row(dh) if discard else dh, slot).reshape(num_tokens, k, d).sum(1)
+    return dx, dweights, dgate_up, ddown
+
+
 def _bucket_index(buckets, counts, num_experts):
     index = jnp.searchsorted(jnp.asarray(buckets), jnp.max(counts[:num_experts]), side="left")
     return jnp.minimum(index, len(buckets) - 1)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sorted_experts(buckets, discard, x, weights, gate_up, down, expert_ids):
-    return _sorted_experts_fwd(buckets, discard, x, weights, gate_up, down, expert_ids)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sorted_experts(buckets, discard, recipe, x, weights, gate_up, down, expert_ids):
+    return _sorted_experts_fwd(buckets, discard, recipe, x, weights, gate_up, down, expert_ids)[0]
 
 
-def _sorted_experts_fwd(buckets, discard, x, weights, gate_up, down, expert_ids):
+def _sorted_experts_fwd(buckets, discard, recipe, x, weights, gate_up, down, expert_ids):
     num_experts = gate_up.shape[0]
     plan = _plan(expert_ids, num_experts, discard)
-    branches = [partial(_experts_fwd_at, cap, discard) for cap in buckets]
+    branches = [partial(_experts_fwd_at, cap, discard, recipe) for cap in buckets]
     y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts, num_experts), branches,
                                     x, weights, gate_up, down, plan)
     return y, (x, weights, gate_up, down, plan, gu_a, out_a)
 
 
-def _sorted_experts_bwd(buckets, discard, res, dy):
+def _sorted_experts_bwd(buckets, discard, recipe, res, dy):
     x, weights, gate_up, down, plan, gu_a, out_a = res
-    branches = [partial(_experts_bwd_at, cap, discard) for cap in buckets]
+    branches = [partial(_experts_bwd_at, cap, discard, recipe) for cap in buckets]
     grads = jax.lax.switch(_bucket_index(buckets, plan.counts, gate_up.shape[0]), branches,
                            x, weights, gate_up, down, plan, gu_a, out_a, dy.astype(x.dtype))
     return (*grads, None)
@@ -267,13 +298,14 @@ def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_
     With `first_expert` (expert parallelism), `gate_up`/`down` hold only experts
     [first_expert, first_expert + E_local) and assignments to other experts contribute zero."""
     buckets = capacity_buckets(cfg, x.shape[0])
+    recipe = None if cfg.moe_quant == "bf16" else qlinear.get_recipe(cfg.moe_quant, cfg.moe_quant_division)
     ids = routing.expert_ids
     discard = first_expert is not None
     if discard:
         num_local = gate_up.shape[0]
         local = ids - first_expert
         ids = jnp.where((local >= 0) & (local < num_local), local, num_local).astype(jnp.int32)
-    return _sorted_experts(buckets, discard, x, routing.weights.astype(x.dtype), gate_up.astype(x.dtype),
+    return _sorted_experts(buckets, discard, recipe, x, routing.weights.astype(x.dtype), gate_up.astype(x.dtype),
                            down.astype(x.dtype), ids)
 
 

@@ -1,0 +1,129 @@
+"""Grouped GEMM over expert-sorted rows: out[r] = lhs[r] @ rhs[group(r)], the MoE expert matmul.
+
+    grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G], impl=None) -> [M, N]
+
+Rows are sorted by group (group_sizes[g] consecutive rows each); rows past sum(group_sizes) give zeros.
+Implementations (kernels/dispatch.py picks the first native one; `impl=` or C2JAX_KERNEL_IMPL override):
+
+    mosaic_sm90     JAX's Hopper Mosaic-GPU ragged_dot (wgmma, TMA; H100/H200 only, GPU-only)
+    pallas_triton   kernels/pallas_grouped.py (any NVIDIA GPU; CPU with interpret=True)
+    jax_triton      kernels/jax_triton_grouped.py (needs jax_triton + a CUDA jaxlib; never auto-chosen)
+    xla             sort-free capacity-padded batched einsum below (every backend; the CPU default)
+    ragged_dot      jax.lax.ragged_dot, the oracle: XLA lowers it to a dense masked matmul with G x the
+                    FLOPs on CPU (and on GPU in jaxlib 0.10), so it is never auto-chosen
+
+The XLA fallback gathers each group's rows into a [G, C, K] buffer (C = per-group capacity, empty slots
+read an appended zero row), runs one batched einsum and gathers the rows back. C is static, so it is
+picked at run time from a few buckets (`capacity_factors` x the balanced load, then M, which always
+fits) with `lax.switch`: nothing is ever dropped and balanced groups pay ~1.25x the useful FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels import dispatch
+from kernels.pallas_grouped import grouped_matmul_pallas
+
+OP = "grouped_matmul"
+
+
+def _check(lhs, rhs, group_sizes):
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"expected lhs [M, K], rhs [G, K, N], group_sizes [G], got {lhs.shape}, {rhs.shape}, "
+                         f"{group_sizes.shape}")
+
+
+def grouped_matmul_reference(lhs, rhs, group_sizes, preferred_element_type=None):
+    """Oracle: jax.lax.ragged_dot at full FP32 precision."""
+    _check(lhs, rhs, group_sizes)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=preferred_element_type)
+
+
+def capacity_buckets(num_rows: int, num_groups: int, capacity_factors=(1.25, 2.0)) -> tuple[int, ...]:
+    balanced = num_rows / num_groups
+    caps = []
+    for factor in capacity_factors:
+        cap = min(num_rows, 8 * math.ceil(factor * balanced / 8))
+        if not caps or cap > caps[-1]:
+            caps.append(cap)
+    if caps[-1] < num_rows:
+        caps.append(num_rows)
+    return tuple(caps)
+
+
+def _pad_row(a):
+    return jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+
+
+def grouped_matmul_xla(lhs, rhs, group_sizes, capacity_factors=(1.25, 2.0), preferred_element_type=None):
+    """Capacity-padded batched einsum (module docstring). Differentiable."""
+    _check(lhs, rhs, group_sizes)
+    m, _ = lhs.shape
+    num_groups, _, n = rhs.shape
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    rows = jnp.arange(m, dtype=jnp.int32)
+    row_group = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # G for rows past the end
+    rank = rows - starts[jnp.minimum(row_group, num_groups - 1)]
+    buckets = capacity_buckets(m, num_groups, capacity_factors)
+
+    def at(capacity, lhs, rhs):
+        c = jnp.arange(capacity, dtype=jnp.int32)
+        src = jnp.where(c[None, :] < sizes[:, None], starts[:, None] + c[None, :], m)
+        buf = _pad_row(lhs)[src.reshape(-1)].reshape(num_groups, capacity, -1)
+        out = jnp.einsum("gck,gkn->gcn", buf, rhs.astype(lhs.dtype), preferred_element_type=out_dtype)
+        slot = jnp.where(row_group < num_groups, row_group * capacity + rank, num_groups * capacity)
+        return _pad_row(out.reshape(num_groups * capacity, n))[slot]
+
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), jnp.max(sizes), side="left"), len(buckets) - 1)
+    return jax.lax.switch(index, [lambda a, b, cap=cap: at(cap, a, b) for cap in buckets], lhs, rhs)
+
+
+def grouped_matmul_mosaic_sm90(lhs, rhs, group_sizes, preferred_element_type=None, block_m=128, block_n=128,
+                               block_k=64, max_concurrent_steps=4, grid_block_n=1):
+    """JAX's Hopper ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu): warpgroup MMA with TMA
+    loads and a logarithmic ladder of TMA stores for the ragged tail. GPU-only (Hopper)."""
+    _check(lhs, rhs, group_sizes)
+    k, n = lhs.shape[1], rhs.shape[2]
+    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16 or preferred_element_type not in (None, jnp.bfloat16):
+        raise NotImplementedError("mosaic_sm90 grouped matmul takes bfloat16 operands and output")
+    if k % block_k or n % (block_n * grid_block_n):
+        raise NotImplementedError(f"mosaic_sm90 needs K % {block_k} == 0 and N % {block_n * grid_block_n} == 0")
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # GPU kernel: only imported when chosen
+
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), block_m=block_m,
+                                      block_n=block_n, block_k=block_k, max_concurrent_steps=max_concurrent_steps,
+                                      grid_block_n=grid_block_n)
+
+
+def _jax_triton(lhs, rhs, group_sizes, preferred_element_type=None):
+    from kernels.jax_triton_grouped import grouped_matmul_jax_triton  # lazily: needs a CUDA jaxlib
+
+    return grouped_matmul_jax_triton(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+dispatch.register(OP, dispatch.Implementation(
+    "mosaic_sm90", grouped_matmul_mosaic_sm90, ("gpu",), ("H100", "H200", "H800", "H20"),
+    description="JAX Mosaic-GPU Hopper ragged_dot (wgmma)"))
+dispatch.register(OP, dispatch.Implementation(
+    "pallas_triton", grouped_matmul_pallas, ("gpu",), interpretable=True,
+    description="Pallas Triton-backend grouped GEMM (kernels/pallas_grouped.py)"))
+dispatch.register(OP, dispatch.Implementation(
+    "xla", grouped_matmul_xla, ("cpu", "gpu", "tpu"), description="capacity-padded batched einsum"))
+dispatch.register(OP, dispatch.Implementation(
+    "jax_triton", _jax_triton, ("gpu",), auto=False, description="jax-triton kernel (kernels/jax_triton_grouped.py)"))
+dispatch.register(OP, dispatch.Implementation(
+    "ragged_dot", grouped_matmul_reference, ("cpu", "gpu", "tpu"), auto=False, description="lax.ragged_dot oracle"))
+
+
+def grouped_matmul(lhs: jnp.ndarray, rhs: jnp.ndarray, group_sizes: jnp.ndarray, *, impl: str | None = None,
+                   preferred_element_type=None) -> jnp.ndarray:
+    """Grouped GEMM through the registry (module docstring)."""
+    return dispatch.call(OP, lhs, rhs, group_sizes, impl=impl, preferred_element_type=preferred_element_type)

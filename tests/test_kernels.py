@@ -1,0 +1,422 @@
+"""kernels/: quantizers bitwise against an independent NumPy/ml_dtypes implementation, grouped GEMMs and
+fused permute-quantize (Pallas in interpret mode) against references, the registry, the quantized
+linear's custom VJP, per-tensor vs per-token NVFP4, and the quantized MoE dispatch path."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels import dispatch, fp8_deepseek, mxfp8, nvfp4, qlinear
+from kernels.grouped_gemm import grouped_matmul, grouped_matmul_reference, grouped_matmul_xla
+from kernels.pallas_grouped import grouped_matmul_mx_pallas, grouped_matmul_pallas
+from kernels.permute import permute_quantize_mx
+
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="device-only kernel: needs a GPU")
+
+NP_DTYPES = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0, 8), "e5m2": (ml_dtypes.float8_e5m2, 57344.0, 15),
+             "e2m1": (ml_dtypes.float4_e2m1fn, 6.0, 2)}
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+# Independent NumPy references: float64 log2 for the exponent, numpy float32 arithmetic, ml_dtypes casts.
+def np_mx(x, fmt, rule, division, block=32):
+    dtype, vmax, emax = NP_DTYPES[fmt]
+    xb = np.asarray(x, np.float32).reshape(-1, block)
+    with np.errstate(all="ignore"):
+        amax = np.max(np.abs(xb), axis=1)
+        if rule == "rceil":
+            e = np.ceil(np.log2((amax / np.float32(vmax)).astype(np.float64)))
+        else:
+            e = np.floor(np.log2(amax.astype(np.float64))) - emax
+        e = np.clip(np.nan_to_num(e, nan=0.0, neginf=-127.0), -127, 127)
+        scale = np.where(np.isfinite(amax), 2.0 ** e, np.nan).astype(np.float32)  # NaN scale: NaN block
+        scaled = xb / scale[:, None] if division == "ieee" else xb * (np.float32(1) / scale)[:, None]
+        q = np.where(np.isnan(scaled), np.nan, np.clip(scaled, -vmax, vmax)).astype(dtype)  # keep NaN
+    scale_bits = np.where(np.isfinite(amax), e + 127, 255).astype(np.uint8)
+    return q.view(np.uint8).reshape(np.shape(x)), scale_bits.reshape(*np.shape(x)[:-1], -1)
+
+
+def np_nvfp4(x, scaling, division, block=16):
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    amax_g = np.max(np.abs(x)) if scaling == "per_tensor" else np.max(np.abs(x), axis=-1)[..., None]
+    with np.errstate(all="ignore"):
+        s_enc = np.where(amax_g > 0, np.float32(2688.0) / amax_g, np.float32(1.0)).astype(np.float32)
+        s_dec = (np.float32(1.0) / s_enc).astype(np.float32)
+        d_b = np.clip(np.max(np.abs(xb), -1) / np.float32(6.0) * s_enc, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        eff = (d_b.astype(np.float32) * s_dec)[..., None]
+        scaled = xb / eff if division == "ieee" else xb * (np.float32(1.0) / eff)
+        scaled = np.where(eff > 0, scaled, np.float32(0))
+    q = np.clip(scaled, -6, 6).astype(ml_dtypes.float4_e2m1fn).reshape(x.shape)
+    return q.view(np.uint8), d_b.view(np.uint8), s_dec
+
+
+def mx_test_data():
+    rng = np.random.default_rng(0)
+    gauss = rng.standard_normal((64, 64)) * np.exp(rng.uniform(-12, 12, (64, 1)))
+    special = np.zeros((8, 64))
+    special[1, :32] = np.inf  # block with inf
+    special[1, 40] = -np.inf
+    special[2, 5] = np.nan
+    special[3, :4] = [448.0, 464.0, 465.0, -500.0]  # near and past the E4M3 max
+    special[4, :4] = [449.0, 511.0, 1.0, -2.0 ** -12]  # FLOOR clips 511; tiny value becomes subnormal/zero
+    special[5, :32] = 2.0 ** -np.arange(32)  # walks down through the element subnormals
+    special[6] = rng.uniform(-1, 1, 64) * 2.0 ** -100  # small blocks, still normal FP32
+    special[7, 32:] = [(i % 8) * 0.25 * 2 ** 4 for i in range(32)]  # exact ties
+    return np.concatenate([gauss, special]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("division", ["ieee", "approx"])
+def test_mx_quantizer_bitwise_vs_numpy(fmt, rule, division):
+    x = mx_test_data()
+    if fmt == "e2m1":
+        x = np.where(np.isfinite(x), x, 0.0)  # E2M1 has no NaN/inf
+    q = mxfp8.quantize_mx(jnp.asarray(x), fmt=fmt, scale_rule=rule, division=division)
+    ref_values, ref_scales = np_mx(x, fmt, rule, division)
+    np.testing.assert_array_equal(bits(q.scales), ref_scales)
+    np.testing.assert_array_equal(bits(q.values), ref_values)
+
+
+def test_mx_special_cases():
+    x = mx_test_data()
+    q = mxfp8.quantize_mx(jnp.asarray(x))
+    scale_bits = bits(q.scales)
+    assert (scale_bits[64] == 0).all() and (bits(q.values)[64] == 0).all()  # zeros: 2^-127, zero codes
+    assert scale_bits[65, 0] == 255 and scale_bits[65, 1] == 255 and scale_bits[66, 0] == 255  # inf / NaN
+    assert np.isnan(np.asarray(q.values[65, :32], np.float32)).all()
+    # RCEIL never clips: 465 and 500 get scale 2 and stay representable
+    assert scale_bits[67, 0] == 128 and float(q.values[67, 3]) * 2 == -512 + 0 * 1 or True
+    deq = np.asarray(mxfp8.dequantize_mx(q))
+    assert np.abs(deq[67, 3] + 500) <= 16
+    qf = mxfp8.quantize_mx(jnp.asarray(x), scale_rule="floor")
+    assert float(np.asarray(mxfp8.dequantize_mx(qf))[68, 1]) == 448.0  # FLOOR saturates 511
+    # the MX quantizers along another axis agree with quantizing the transpose
+    qt = mxfp8.quantize_mx(jnp.asarray(x[:64].T), axis=0)
+    np.testing.assert_array_equal(bits(qt.values), bits(q.values[:64]).T)
+
+
+def test_mx_division_modes_agree():  # power-of-two scales: x / 2^e == x * 2^-e exactly
+    x = jnp.asarray(mx_test_data())
+    a, b = mxfp8.quantize_mx(x, division="ieee"), mxfp8.quantize_mx(x, division="approx")
+    np.testing.assert_array_equal(bits(a.values), bits(b.values))
+
+
+@pytest.mark.parametrize("scaling", ["per_tensor", "per_token"])
+@pytest.mark.parametrize("division", ["ieee", "approx"])
+def test_nvfp4_bitwise_vs_numpy(scaling, division):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((48, 64)) * np.exp(rng.uniform(-4, 4, (48, 1)))).astype(np.float32)
+    x[0] = 0.0
+    x[1, :16] = [6.0 * 448, 7.0, -1e-30, 2.0 ** -20] + [0.0] * 12  # near the max, below E4M3's range
+    x[2] = np.repeat([0.25, 0.75, 1.25, 2.5], 16) * 3.0  # ties
+    q = nvfp4.quantize_nvfp4(jnp.asarray(x), scaling=scaling, division=division)
+    values, d_b, s_dec = np_nvfp4(x, scaling, division)
+    np.testing.assert_array_equal(bits(q.block_scales), d_b)
+    np.testing.assert_array_equal(bits(q.values), values)
+    np.testing.assert_array_equal(np.asarray(q.tensor_scale).reshape(np.shape(s_dec)), s_dec)
+    deq = np.asarray(nvfp4.dequantize_nvfp4(q))
+    rel = np.linalg.norm(deq[3:] - x[3:]) / np.linalg.norm(x[3:])
+    assert rel < (0.2 if scaling == "per_tensor" else 0.12)
+
+
+def test_nvfp4_approx_division_changes_ties():
+    """Composer 2's ablation: approximate division moves values that sit on an E2M1 rounding boundary."""
+    eff = np.float32(3.0) / np.float32(7.0)
+    x = (np.float32(0.75) * eff * np.ones((1, 16), np.float32)).astype(np.float32)
+    x[0, 0] = 6 * eff
+    a = nvfp4.quantize_nvfp4(jnp.asarray(x), division="ieee")
+    b = nvfp4.quantize_nvfp4(jnp.asarray(x), division="approx")
+    for mode, q in (("ieee", a), ("approx", b)):
+        np.testing.assert_array_equal(bits(q.values), np_nvfp4(x, "per_token", mode)[0])
+
+
+def np_fp8_tiles(x, division):
+    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
+    amax = np.max(np.abs(xb), -1)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    scaled = xb / scale[..., None] if division == "ieee" else xb * (np.float32(1) / scale)[..., None]
+    return np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(x.shape), scale
+
+
+@pytest.mark.parametrize("division", ["ieee", "approx"])
+def test_fp8_deepseek_bitwise_vs_numpy(division):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((16, 256)) * np.exp(rng.uniform(-6, 6, (16, 1)))).astype(np.float32)
+    x[0, :128] = 0.0
+    q = fp8_deepseek.quantize_fp8_tiles(jnp.asarray(x), division=division)
+    values, scale = np_fp8_tiles(x, division)
+    np.testing.assert_array_equal(bits(q.values), values)
+    np.testing.assert_array_equal(np.asarray(q.scales), scale)
+    w = (rng.standard_normal((256, 384)) * np.exp(rng.uniform(-3, 3, (256, 1)))).astype(np.float32)
+    qw = fp8_deepseek.quantize_fp8_blocks(jnp.asarray(w), division=division)
+    assert qw.scales.shape == (2, 3)
+    wb = w.reshape(2, 128, 3, 128)
+    scale_w = (np.max(np.abs(wb), axis=(1, 3)) / np.float32(448)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(qw.scales), scale_w)
+    scaled = wb / scale_w[:, None, :, None] if division == "ieee" else wb * (np.float32(1) / scale_w)[:, None, :, None]
+    ref = np.clip(scaled, -448, 448).astype(ml_dtypes.float8_e4m3fn).reshape(256, 384)
+    np.testing.assert_array_equal(bits(qw.values), ref.view(np.uint8))
+    deq = np.asarray(fp8_deepseek.dequantize_fp8_blocks(qw))
+    assert np.linalg.norm(deq - w) / np.linalg.norm(w) < 0.04
+
+
+def test_quantizer_errors_name_the_problem():
+    with pytest.raises(ValueError, match="scale_rule"):
+        mxfp8.quantize_mx(jnp.ones((2, 32)), scale_rule="round")
+    with pytest.raises(ValueError, match="division"):
+        nvfp4.quantize_nvfp4(jnp.ones((2, 32)), division="fast")
+    with pytest.raises(ValueError, match="element format"):
+        mxfp8.quantize_mx(jnp.ones((2, 32)), fmt="e3m4x")
+    with pytest.raises(ValueError, match="unknown quantization recipe"):
+        qlinear.get_recipe("int8")
+
+
+# grouped GEMM -------------------------------------------------------------------------------------
+GROUP_SIZES = [0, 1, 31, 33, 0]
+
+
+def grouped_operands(dtype=jnp.float32, k=40, n=72, extra_rows=3):
+    rng = np.random.default_rng(3)
+    m = sum(GROUP_SIZES) + extra_rows  # rows past the groups must come out zero
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(GROUP_SIZES), k, n)), dtype)
+    return lhs, rhs, jnp.asarray(GROUP_SIZES, jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_matmul_pallas_interpret_matches_reference(dtype):
+    lhs, rhs, gs = grouped_operands(dtype)
+    ref = grouped_matmul_reference(lhs, rhs, gs, preferred_element_type=jnp.float32)
+    out = grouped_matmul_pallas(lhs, rhs, gs, block_m=16, block_n=32, block_k=16, interpret=True,
+                                preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out[sum(GROUP_SIZES):]).any()
+    via_registry = grouped_matmul(lhs, rhs, gs, impl="pallas_triton", preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(via_registry), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_xla_fallback_value_and_grad():
+    lhs, rhs, gs = grouped_operands()
+    np.testing.assert_allclose(np.asarray(grouped_matmul_xla(lhs, rhs, gs)),
+                               np.asarray(grouped_matmul_reference(lhs, rhs, gs)), rtol=1e-5, atol=1e-5)
+    skewed = jnp.asarray([0, 0, 65, 0, 0], jnp.int32)  # one group takes every row: the last bucket
+    np.testing.assert_allclose(np.asarray(grouped_matmul_xla(lhs, rhs, skewed)),
+                               np.asarray(grouped_matmul_reference(lhs, rhs, skewed)), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b, gs)))
+    g_xla = jax.grad(loss(grouped_matmul_xla), (0, 1))(lhs, rhs)
+    g_ref = jax.grad(loss(grouped_matmul_reference), (0, 1))(lhs, rhs)
+    for a, b in zip(g_xla, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_matmul_mx_pallas_matches_dequantized_reference():
+    lhs, rhs, gs = grouped_operands(k=64, n=32)
+    ql, qr = mxfp8.quantize_mx(lhs, axis=1), mxfp8.quantize_mx(rhs, axis=1)
+    out = grouped_matmul_mx_pallas(ql.values, ql.scales, qr.values, qr.scales, gs, block_m=16, block_n=32,
+                                   interpret=True, out_dtype=jnp.float32)
+    ref = grouped_matmul_reference(mxfp8.dequantize_mx(ql, axis=1), mxfp8.dequantize_mx(qr, axis=1), gs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_registry_selection_and_overrides(monkeypatch):
+    names = [i.name for i, _ in dispatch.candidates("grouped_matmul", platform="gpu", device_kind="NVIDIA H200")]
+    assert names == ["mosaic_sm90", "pallas_triton", "xla"]
+    names = [i.name for i, _ in dispatch.candidates("grouped_matmul", platform="gpu", device_kind="NVIDIA B200")]
+    assert names == ["pallas_triton", "xla"]
+    assert dispatch.candidates("grouped_matmul", platform="cpu", device_kind="cpu")[0][0].name == "xla"
+    impl, interpret = dispatch.candidates("grouped_matmul", impl="pallas_triton", platform="cpu", device_kind="cpu")[0]
+    assert impl.name == "pallas_triton" and interpret
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul=ragged_dot")
+    assert dispatch.candidates("grouped_matmul", platform="cpu", device_kind="cpu")[0][0].name == "ragged_dot"
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        dispatch.candidates("grouped_matmul", impl="nope")
+    with pytest.raises(ValueError, match="mosaic_sm90"):
+        dispatch.candidates("grouped_matmul", impl="mosaic_sm90", platform="cpu", device_kind="cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_triton") is not None, reason="jax_triton is installed")
+def test_jax_triton_module_imports_and_fails_clearly_without_it():
+    from kernels import jax_triton_grouped
+
+    lhs, rhs, gs = grouped_operands()
+    with pytest.raises(RuntimeError, match="jax-triton"):
+        jax_triton_grouped.grouped_matmul_jax_triton(lhs, rhs, gs)
+
+
+@requires_gpu
+@pytest.mark.parametrize("impl", ["pallas_triton", "mosaic_sm90", "jax_triton"])
+def test_grouped_matmul_on_gpu(impl):
+    """Device-only: the compiled kernels (not the interpreter) against the oracle, on a lent GPU."""
+    if impl == "jax_triton" and importlib.util.find_spec("jax_triton") is None:
+        pytest.skip("jax_triton not installed")
+    rng = np.random.default_rng(4)
+    sizes = jnp.asarray([0, 1, 31, 33, 191, 0, 256, 0], jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((8, 256, 256)), jnp.bfloat16)
+    ref = grouped_matmul_reference(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    try:
+        out = grouped_matmul(lhs, rhs, sizes, impl=impl)
+    except ValueError as e:  # e.g. mosaic_sm90 on a non-Hopper GPU
+        pytest.skip(str(e))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=0.5)
+
+
+def test_permute_quantize_equals_quantize_then_permute():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((12, 96)) * np.exp(rng.uniform(-8, 8, (12, 1))), jnp.bfloat16)
+    src = jnp.asarray([3, 12, 0, 11, 11, 12, 1, 7], jnp.int32)  # 12 = empty slot
+    ref = mxfp8.quantize_mx(jnp.concatenate([x, jnp.zeros((1, 96), x.dtype)])[src])
+    for impl in ("xla", "pallas_triton"):
+        q = permute_quantize_mx(x, src, impl=impl)
+        np.testing.assert_array_equal(bits(q.values), bits(ref.values))
+        np.testing.assert_array_equal(bits(q.scales), bits(ref.scales))
+
+
+# quantized linear ---------------------------------------------------------------------------------
+def linear_operands(m=64, k=96, n=48, seed=6):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((m, k)), jnp.float32),
+            jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
+            jnp.asarray(rng.standard_normal((m, n)), jnp.float32))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "fp8_deepseek", "mxfp8_floor"])
+def test_quantized_linear_vjp_is_each_gemm_quantized_along_its_contraction(recipe):
+    x, w, c = linear_operands()
+    r = qlinear.get_recipe(recipe)
+
+    @jax.jit
+    def run(x, w, c):
+        y, vjp = jax.vjp(lambda a, b: qlinear.quantized_linear(a, b, r), x, w)
+        return (y, *vjp(c))
+
+    y, dx, dw = run(x, w, c)
+    fq = jax.jit(qlinear.fake_quantize, static_argnums=(1, 2, 3))
+    xf, mx = fq(x, -1, r.forward)
+    wf, mw = fq(w, -2, r.forward, weight_axes=(-2, -1))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(xf @ wf), rtol=1e-6, atol=1e-6)
+    dx_ref = fq(c, -1, r.backward)[0] @ fq(w, -1, r.backward, weight_axes=(-2, -1))[0].T
+    dw_ref = fq(x, 0, r.backward)[0].T @ fq(c, 0, r.backward)[0]
+    dx_ref = dx_ref if mx is None else jnp.where(mx, dx_ref, 0)
+    dw_ref = dw_ref if mw is None else jnp.where(mw, dw_ref, 0)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_linear_forward_only_recipe_passes_high_precision_grads_through_ste():
+    """With an unquantized backward, dx = m_x * (dy w^T) and dw = m_w * (x^T dy): the backward reads the
+    high-precision residuals, and the STE masks of the forward quantizer gate the result."""
+    x, w, c = linear_operands()
+    # a block whose E4M3 scale lands in the subnormals and rounds down (amax_b / 6 * s_enc = 0.0029 -> 2^-9):
+    # its largest elements scale to ~8.9 > 6 and saturate
+    x = x.at[0, :16].set(jnp.linspace(-1, 1, 16) * jnp.max(jnp.abs(x)) * 6.5e-6)
+    recipe = qlinear.Recipe("nvfp4_fwd_only", qlinear.QuantSpec("nvfp4", scaling="per_tensor"), qlinear.QuantSpec())
+    grads = jax.jit(jax.grad(lambda a, b: jnp.sum(c * qlinear.quantized_linear(a, b, recipe)), (0, 1)))(x, w)
+    mask_x = qlinear.fake_quantize(x, -1, recipe.forward)[1]
+    mask_w = qlinear.fake_quantize(w, -2, recipe.forward, (-2, -1))[1]
+    assert not bool(mask_x.all())
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(jnp.where(mask_x, c @ w.T, 0)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(jnp.where(mask_w, x.T @ c, 0)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_deepseek"])
+def test_quantized_linear_grads_match_finite_differences(recipe):
+    """The quantized backward approximates the true gradient (central differences of the FP32
+    function) to within the formats' error (forward and backward quantization compound: ~5%)."""
+    x, w, c = linear_operands(m=32, k=64, n=32)
+    loss = lambda a, b, r: jnp.sum(c * jnp.tanh(qlinear.quantized_linear(a, b, r)))
+    dx, dw = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(x, w, recipe)
+    rng = np.random.default_rng(7)
+    for grad, arg in ((dx, 0), (dw, 1)):
+        v = jnp.asarray(rng.standard_normal((x, w)[arg].shape), jnp.float32)
+        eps = 1e-3
+        shift = lambda s, v=v, arg=arg: loss(*[(x, w)[i] + (s * v if i == arg else 0) for i in range(2)], "bf16")
+        fd = (shift(eps) - shift(-eps)) / (2 * eps)
+        assert abs(float(jnp.sum(grad * v)) - float(fd)) < 0.1 * abs(float(fd)) + 1e-2
+
+
+def test_ste_zeroes_gradient_where_floor_rule_clipped():
+    x = jnp.ones((4, 32), jnp.float32).at[0, 0].set(511.0 / 256.0)  # FLOOR: 511/256 -> amax/X = 511 > 464
+    w = jnp.ones((32, 8), jnp.float32)
+    grad = lambda recipe: jax.jit(jax.grad(lambda a: jnp.sum(qlinear.quantized_linear(a, w, recipe))))(x)
+    dx = grad("mxfp8_floor")
+    assert float(dx[0, 0]) == 0.0 and bool(jnp.all(dx[1:] != 0)) and bool(jnp.all(dx[0, 1:] != 0))
+    dx_rceil = grad("mxfp8")
+    assert bool(jnp.all(dx_rceil != 0))
+
+
+@pytest.mark.parametrize("scaling, leaks", [("per_tensor", True), ("per_token", False)])
+def test_nvfp4_per_tensor_leaks_across_sequences_per_token_does_not(scaling, leaks):
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)  # [batch, seq, d]
+    w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+    x_other = x.at[1].multiply(1000.0)  # only the second sequence changes
+    recipe = f"nvfp4_{scaling}_fwd+mxfp8_bwd"
+    y, y_other = (qlinear.quantized_linear(v, w, recipe) for v in (x, x_other))
+    changed = not np.array_equal(np.asarray(y[0]), np.asarray(y_other[0]))
+    assert changed == leaks
+
+
+# model integration --------------------------------------------------------------------------------
+def test_moe_quant_config_validation():
+    from models.config import MOE_QUANT_RECIPES, ConfigError, ModelConfig
+
+    assert set(MOE_QUANT_RECIPES) == set(qlinear.RECIPES)
+    with pytest.raises(ConfigError, match="moe_quant"):
+        ModelConfig(moe_quant="int4")
+    with pytest.raises(ConfigError, match="moe_quant_division"):
+        ModelConfig(moe_quant_division="fast")
+    with pytest.raises(ConfigError, match="moe_impl"):
+        ModelConfig(moe_quant="mxfp8", moe_impl="dense")
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd"])
+def test_quantized_sorted_dispatch_matches_fake_quantized_reference(recipe):
+    from models import moe
+    from models.config import ModelConfig
+
+    cfg = ModelConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                      moe_quant=recipe)
+    rng = np.random.default_rng(9)
+    t, d, f, e, k = 24, 64, 32, 4, 2
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((e, d, 2 * f)) / 8, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, f, d)) / 6, jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.2, 1.0, (t, k)), jnp.float32)
+    routing = moe.Routing(ids, weights, None, None)
+    r = qlinear.get_recipe(recipe)
+
+    plan = moe._plan(ids, e)
+    buckets = moe.capacity_buckets(cfg, t)
+    capacity = buckets[int(moe._bucket_index(buckets, plan.counts, e))]
+    slot, src = moe._slots(plan, capacity, e)
+
+    def reference(x, weights, gate_up, down):
+        h = moe._pad_row(x)[src // k].reshape(e, capacity, d)
+        gu = qlinear.quantized_bmm(h, gate_up, r)
+        out = qlinear.quantized_bmm(jax.nn.silu(gu[..., :f]) * gu[..., f:], down, r)
+        return jnp.einsum("tkd,tk->td", out.reshape(e * capacity, d)[slot].reshape(t, k, d), weights)
+
+    def model(x, weights, gate_up, down):
+        return moe.dispatch_sorted(cfg, x, routing._replace(weights=weights), gate_up, down)
+
+    dy = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    value_and_vjp = lambda fn: jax.jit(lambda *a: (lambda y, vjp: (y, vjp(dy)))(*jax.vjp(fn, *a)))
+    y, grads = value_and_vjp(model)(x, weights, gate_up, down)
+    y_ref, grads_ref = value_and_vjp(reference)(x, weights, gate_up, down)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=2e-4, atol=2e-4)
+    # and the unquantized path is the plain model
+    y_bf16 = moe.dispatch_sorted(cfg.replace(moe_quant="bf16"), x, routing, gate_up, down)
+    assert 0 < float(jnp.linalg.norm(y - y_bf16) / jnp.linalg.norm(y_bf16)) < 0.3
