@@ -1,0 +1,206 @@
+"""Ray actors: the learner, rollout workers, environment workers and the evaluator.
+
+Actor classes are plain Python classes (unit-testable without Ray); `spawn_*` wraps them with
+`ray.remote` options (restarts, CPUs, concurrency). Rollout workers are threaded actors, so a weight push
+(`sync`) runs while `run_group` decodes; the decode loop swaps the new weights in at the next chunk
+boundary, and the learner never waits for a sampler.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from rl.system.backends import make_learner, make_policy
+from rl.system.config import RLSystemConfig
+from rl.system.envs import EnvironmentHost, byte_tokenizer, run_ladder_episode, run_target_group
+from rl.system.groups import Group
+from rl.system.weight_sync import DeltaDecoder, DeltaEncoder
+
+
+class Learner:
+    """Owns params and optimizer; each `train` is one rl_step, then a versioned weight packet."""
+
+    def __init__(self, cfg: RLSystemConfig, run_dir: str):
+        self.cfg = cfg
+        self.core = make_learner(cfg, Path(run_dir))
+        ws = cfg.weight_sync
+        self.encoder = DeltaEncoder(ws.full_every, ws.compression, ws.level)
+        self.busy_s = 0.0
+
+    def start(self, resume: bool):
+        """(version, full packet): restores the latest checkpoint when resuming."""
+        version = self.core.restore() if resume else self.core.version
+        return version, self._packet(force_full=True)
+
+    def _packet(self, force_full=False):
+        packet = self.encoder.encode(self.core.weights(), self.core.version, force_full=force_full)
+        packet.stats["created"] = time.time()
+        return packet
+
+    def train(self, batch):
+        """(metrics, packet); call with num_returns=2 so the packet stays in the object store."""
+        t0 = time.perf_counter()
+        metrics = self.core.train(batch)
+        metrics["learner/step_s"] = time.perf_counter() - t0
+        if self.core.version % self.cfg.checkpoint.every == 0 or self.core.version >= self.cfg.system.steps:
+            t1 = time.perf_counter()
+            self.core.save()
+            metrics["learner/checkpoint_s"] = time.perf_counter() - t1
+        packet = self._packet()
+        metrics.update({f"sync/{k}": v for k, v in packet.stats.items() if k != "created"})
+        metrics["sync/full"] = float(packet.kind == "full")
+        self.busy_s += time.perf_counter() - t0
+        return metrics, packet
+
+    def save(self) -> int:
+        self.core.save()
+        return self.core.version
+
+    def version(self) -> int:
+        return self.core.version
+
+
+class RolloutWorker:
+    """Holds a sampler and drives the episodes of one group at a time against environment workers."""
+
+    def __init__(self, cfg: RLSystemConfig, env_workers: list, prompts: dict, worker_id: str):
+        import ray
+
+        self.ray, self.cfg, self.env_workers, self.prompts, self.worker_id = ray, cfg, env_workers, prompts, worker_id
+        self.renderer = None
+        detok = None
+        if cfg.env.kind == "ladder":
+            from rl.harness import ChatRenderer
+
+            self.renderer = ChatRenderer(byte_tokenizer())
+            detok = self.renderer.decode
+        self.policy = make_policy(cfg, detok)
+        self.decoder = DeltaDecoder()
+        self._lock = threading.Lock()
+        self._run_lock = threading.Lock()  # one group at a time per sampler (an abandoned call may linger)
+        self.swaps = 0
+        self.sync_latency_s: list[float] = []
+        self.incarnation = uuid.uuid4().hex[:8]  # changes when Ray restarts the actor
+
+    # weights ------------------------------------------------------------------------------------------
+    def sync(self, chain: list) -> int:
+        """Applies every packet of `chain` (ObjectRefs to the packets since the last full one) newer than
+        what this worker holds. Safe to call while a group is decoding."""
+        packets = self.ray.get(list(chain), timeout=self.cfg.system.call_timeout_s) if chain else []
+        with self._lock:
+            for p in sorted(packets, key=lambda p: p.version):
+                if p.version > self.decoder.version and (p.kind == "full" or p.base_version == self.decoder.version):
+                    self.decoder.apply(p)
+                    self.sync_latency_s.append(time.time() - p.stats.get("created", time.time()))
+        return self.decoder.version
+
+    def _maybe_swap(self) -> None:
+        with self._lock:
+            if self.decoder.version <= self.policy.version:
+                return
+            weights, version = self.decoder.weights, self.decoder.version
+        self.policy.load(weights, version)
+        self.swaps += 1
+
+    def _swap_at_chunk(self) -> None:
+        if self.cfg.system.in_flight_updates:
+            self._maybe_swap()
+
+    def version(self) -> int:
+        return self.policy.version
+
+    def info(self) -> dict:
+        lat = self.sync_latency_s[-16:]
+        return {"version": self.policy.version, "incarnation": self.incarnation, "swaps": self.swaps,
+                "sync_latency_s": float(np.mean(lat)) if lat else float("nan")}
+
+    # episodes -----------------------------------------------------------------------------------------
+    def _env_call(self, env):
+        timeout = self.cfg.system.call_timeout_s
+
+        def call(method, *args):
+            return self.ray.get(getattr(env, method).remote(*args), timeout=timeout)
+
+        return call
+
+    def run_group(self, spec: dict, chain: list) -> Group:
+        """spec: {group_id, prompt_id, seed, attempt[, group_size]}. Re-syncs weights before serving."""
+        with self._run_lock:
+            return self._run_group(spec, chain)
+
+    def _run_group(self, spec: dict, chain: list) -> Group:
+        t0 = time.perf_counter()
+        self.sync(chain)
+        self._maybe_swap()
+        if self.policy.version < 0:
+            raise RuntimeError(f"rollout worker {self.worker_id} has no weights; the chain was empty")
+        version_at_start = self.policy.version
+        env = self.env_workers[hash(spec["group_id"]) % len(self.env_workers)]
+        call = self._env_call(env)
+        sc, ec = self.cfg.system, self.cfg.env
+        size = spec.get("group_size", sc.group_size)
+        if ec.kind == "target":
+            rollouts = run_target_group(lambda reqs: self.policy.generate(reqs, self._swap_at_chunk), call,
+                                        self.prompts[spec["prompt_id"]], ec, size, spec["seed"],
+                                        sc.max_episode_retries)
+        else:
+            policy = _TokenPolicy(self.policy, self._swap_at_chunk)
+            rollouts = [run_ladder_episode(policy, self.renderer, call, spec["prompt_id"],
+                                           self.prompts[spec["prompt_id"]], ec, spec["seed"] * 1009 + i,
+                                           sc.max_episode_retries) for i in range(size)]
+        return Group(spec["group_id"], spec["prompt_id"], rollouts, attempt=spec.get("attempt", 0),
+                     worker=f"{self.worker_id}/{self.incarnation}",
+                     timings={"total_s": time.perf_counter() - t0, "version_at_start": version_at_start,
+                              "version_at_end": self.policy.version, **self.info()})
+
+
+class _TokenPolicy:
+    """TokenPolicy (rl.harness.agents) over a backend, swapping weights at chunk boundaries."""
+
+    def __init__(self, policy, swap):
+        self.policy, self.swap = policy, swap
+
+    def generate_tokens(self, prompt_ids, *, max_new_tokens, stop_token_ids, temperature=1.0, seed=0, top_p=1.0,
+                        top_k=0):
+        from models.inference.engine import Request
+
+        req = Request(list(prompt_ids), max_new_tokens, tuple(stop_token_ids), (), temperature, top_p, top_k, seed)
+        return self.policy.generate([req], self.swap)[0]
+
+
+class Evaluator(RolloutWorker):
+    """Samples the held-out prompts K times with the weights of one version: avg@1 and best-of-K."""
+
+    def evaluate(self, prompt_ids: list[str], k: int, chain: list, seed: int) -> dict:
+        from rl.system.evaluation import avg_at_1, best_of_k
+
+        rewards = []
+        for i, pid in enumerate(prompt_ids):
+            spec = {"group_id": f"eval-{seed}-{i}", "prompt_id": pid, "seed": 10_000_000 + seed * 1000 + i,
+                    "group_size": k}
+            rewards.append([r.reward for r in self.run_group(spec, chain).rollouts])
+        rw = np.asarray(rewards, np.float64)
+        return {"avg@1": avg_at_1(rw), f"best_of_{k}": best_of_k(rw), "version": self.policy.version,
+                "prompts": len(prompt_ids)}
+
+
+# ----------------------------------------------------------------------------------------- spawning
+def spawn(cls, cfg: RLSystemConfig, *args, name: str, cpus: float, gpus: float = 0.0, concurrency: int = 1):
+    import ray
+
+    return ray.remote(cls).options(
+        name=name, max_restarts=cfg.system.max_restarts, max_task_retries=0, num_cpus=cpus, num_gpus=gpus,
+        max_concurrency=concurrency).remote(cfg, *args)
+
+
+def spawn_env_worker(cfg, tasks, name):
+    import ray
+
+    return ray.remote(EnvironmentHost).options(
+        name=name, max_restarts=cfg.system.max_restarts, max_task_retries=0, num_cpus=cfg.ray.env_cpus,
+        max_concurrency=16).remote(cfg.env, tasks)

@@ -1,0 +1,215 @@
+"""What runs inside the actors: policy backends (the InferenceEngine, or a NumPy fake) and learner cores
+(rl_step with Orbax checkpoints, or a NumPy fake). The fakes are a categorical policy over the vocabulary
+trained by exact REINFORCE, so system tests exercise staleness, sync and faults in seconds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from rl.system.config import RLSystemConfig
+
+
+# ------------------------------------------------------------------------------------ weight naming
+def _name(path) -> str:
+    from c2jax.train.checkpoint import _key_name
+
+    return "/".join(_key_name(k) for k in path)
+
+
+def flatten_weights(params, model_state) -> dict[str, np.ndarray]:
+    import jax
+
+    out = {}
+    for prefix, tree in (("params", params), ("model_state", model_state)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            out[f"{prefix}/{_name(path)}"] = np.asarray(leaf)
+    return out
+
+
+def unflatten_weights(weights: dict[str, np.ndarray], params_like, model_state_like):
+    import jax
+    import jax.numpy as jnp
+
+    def rebuild(prefix, like):
+        paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+        missing = [f"{prefix}/{_name(p)}" for p, _ in paths if f"{prefix}/{_name(p)}" not in weights]
+        if missing:
+            raise KeyError(f"weights lack {missing[:3]} (and {max(0, len(missing) - 3)} more)")
+        return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(weights[f"{prefix}/{_name(p)}"]) for p, _ in paths])
+
+    return rebuild("params", params_like), rebuild("model_state", model_state_like)
+
+
+# ---------------------------------------------------------------------------------------- policies
+class EnginePolicy:
+    """The InferenceEngine; `generate` calls `maybe_swap()` before every decode chunk (in-flight updates)."""
+
+    def __init__(self, cfg: RLSystemConfig, detokenize=None):
+        from flax import nnx
+
+        from models.inference.engine import InferenceEngine
+        from models.transformer import init
+
+        model = init(cfg.model, cfg.seed)  # structure; the weights come from the first sync
+        self._graphdef3, self._params_like, self._rest_like = nnx.split(model, nnx.Param, ...)
+        self.engine = InferenceEngine.from_model(model, config=cfg.engine, version=-1, detokenize=detokenize)
+        self.recompute_cache = cfg.system.recompute_cache
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, weights: dict[str, np.ndarray], version: int) -> None:
+        from flax import nnx
+
+        params, rest = unflatten_weights(weights, self._params_like, self._rest_like)
+        state = nnx.split(nnx.merge(self._graphdef3, params, rest))[1]
+        self.engine.swap_weights(state, version, recompute_cache=self.recompute_cache)
+
+    def generate(self, requests, maybe_swap):
+        ids = [self.engine.submit(r) for r in requests]
+        out = {}
+        while len(out) < len(ids):
+            maybe_swap()
+            self.engine.step()
+            for i in ids:
+                if i not in out:
+                    res = self.engine.pop_result(i)
+                    if res is not None:
+                        out[i] = res
+        return [out[i] for i in ids]
+
+
+class FakePolicy:
+    """Samples every token from softmax(weights['logits'] / T), chunk_steps tokens per "decode chunk"."""
+
+    def __init__(self, cfg: RLSystemConfig, detokenize=None):
+        self.chunk = cfg.engine.chunk_steps
+        self.version, self.logits = -1, None
+
+    def load(self, weights, version):
+        self.logits, self.version = np.asarray(weights["logits"], np.float64), version
+
+    def generate(self, requests, maybe_swap):
+        from models.inference.engine import GenerationResult
+
+        results = [GenerationResult([], [], [], None, "length") for _ in requests]
+        rngs = [np.random.default_rng(r.seed) for r in requests]
+        while any(len(res.token_ids) < r.max_new_tokens for res, r in zip(results, requests)):
+            maybe_swap()
+            t = max(requests[0].temperature, 1e-6)
+            logp = self.logits / t - np.logaddexp.reduce(self.logits / t)
+            for res, r, rng in zip(results, requests, rngs):
+                for _ in range(min(self.chunk, r.max_new_tokens - len(res.token_ids))):
+                    tok = int(rng.choice(len(logp), p=np.exp(logp)))
+                    res.token_ids.append(tok)
+                    res.logprobs.append(float(logp[tok]))
+                    res.policy_versions.append(self.version)
+        return results
+
+
+def make_policy(cfg: RLSystemConfig, detokenize=None):
+    return FakePolicy(cfg, detokenize) if cfg.backend.policy == "fake" else EnginePolicy(cfg, detokenize)
+
+
+# ----------------------------------------------------------------------------------------- learners
+class RLLearner:
+    """rl_step (jitted, donated) on the model; Orbax checkpoints under <run>/checkpoints."""
+
+    def __init__(self, cfg: RLSystemConfig, run_dir: Path):
+        from c2jax.train.checkpoint import Checkpointer
+        from c2jax.train.config import CheckpointConfig
+        from models.transformer import init
+        from rl.learner import init_rl_state, make_optimizer, make_rl_step
+
+        tx = make_optimizer(cfg.rl)
+        graphdef, self.state = init_rl_state(init(cfg.model, cfg.seed), tx, cfg.rl)
+        self.step_fn = make_rl_step(graphdef, tx, cfg.rl)
+        self.ckpt = Checkpointer(Path(run_dir) / "checkpoints",
+                                 CheckpointConfig(every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
+                                                  async_save=False))
+
+    @property
+    def version(self) -> int:
+        return int(self.state.step)
+
+    def restore(self) -> int:
+        found = self.ckpt.restore_latest(self.state)
+        if found is not None:
+            self.state = found[1]
+        return self.version
+
+    def train(self, batch) -> dict[str, float]:
+        import jax
+        import jax.numpy as jnp
+
+        self.state, metrics = self.step_fn(self.state, jax.tree.map(jnp.asarray, batch))
+        return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return flatten_weights(self.state.params, self.state.model_state)
+
+    def save(self) -> None:
+        self.ckpt.save(self.version, self.state, {"version": self.version})
+        self.ckpt.wait()
+
+
+class FakeLearner:
+    """Exact REINFORCE on a categorical policy: logits += lr * sum_t A_t (onehot(y_t) - softmax(logits)) / N,
+    plus `frozen` parameters that never change (so deltas are mostly zeros, as in real RL steps)."""
+
+    def __init__(self, cfg: RLSystemConfig, run_dir: Path):
+        rng = np.random.default_rng(cfg.seed)
+        self.lr, self.norm = cfg.rl.learning_rate, cfg.rl.loss.constant_normalizer
+        self.params = {"logits": np.zeros(cfg.backend.fake_vocab, np.float32),
+                       "frozen": rng.normal(size=cfg.backend.fake_frozen_params).astype(np.float32)}
+        self.step = 0
+        self.dir = Path(run_dir) / "checkpoints"
+        self.keep = cfg.checkpoint.keep_last
+
+    @property
+    def version(self) -> int:
+        return self.step
+
+    def restore(self) -> int:
+        ckpts = sorted(self.dir.glob("fake-*.npz"), key=lambda p: int(p.stem.split("-")[1]))
+        if ckpts:
+            with np.load(ckpts[-1]) as z:
+                self.params = {k: z[k] for k in ("logits", "frozen")}
+                self.step = int(z["step"])
+        return self.step
+
+    def train(self, batch) -> dict[str, float]:
+        mask = np.asarray(batch.loss_mask, bool)
+        y, adv = np.asarray(batch.targets)[mask], np.asarray(batch.advantages)[mask]
+        logits = self.params["logits"].astype(np.float64)
+        p = np.exp(logits - np.logaddexp.reduce(logits))
+        grad = (np.bincount(y, weights=adv, minlength=p.size) - adv.sum() * p) / self.norm
+        self.params["logits"] = (logits + self.lr * grad).astype(np.float32)
+        stale = self.step - np.asarray(batch.policy_versions)[mask]
+        self.step += 1
+        return {"tokens_trained": float(mask.sum()), "staleness/max": float(stale.max(initial=0)),
+                "staleness/mean": float(stale.mean()) if stale.size else 0.0, "policy_version": float(self.step - 1),
+                "min_token_version": float(np.asarray(batch.policy_versions)[mask].min(initial=self.step)),
+                "advantage/mean": float(adv.mean()) if adv.size else 0.0}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.params.items()}
+
+    def save(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f"tmp-{self.step}.npz"
+        with open(tmp, "wb") as f:
+            np.savez(f, step=self.step, **self.params)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / f"fake-{self.step}.npz")  # atomic: a crash leaves the previous one
+        for old in sorted(self.dir.glob("fake-*.npz"), key=lambda p: int(p.stem.split("-")[1]))[:-self.keep]:
+            old.unlink()
+
+
+def make_learner(cfg: RLSystemConfig, run_dir: Path):
+    return FakeLearner(cfg, run_dir) if cfg.backend.learner == "fake" else RLLearner(cfg, run_dir)

@@ -1,0 +1,156 @@
+"""`RLSystemConfig`: one typed, frozen config for an RL run (model, learner, sampler, environment, the
+async system, weight sync, curriculum, eval, checkpoints, Ray), from YAML plus dotted overrides."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from c2jax.config import ConfigError, _resolve_presets, apply_overrides, dump_yaml, from_dict, load_yaml
+from models.config import ModelConfig
+from models.inference.engine import EngineConfig
+from rl.config import RLConfig
+from rl.harness.episode import EpisodeConfig
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    mode: Literal["async", "sync"] = "async"  # sync: generate a whole batch, then train (the ablation baseline)
+    steps: int = 20  # learner steps
+    group_size: int = 4  # G rollouts per prompt
+    groups_per_step: int = 4  # groups in one packed batch
+    max_staleness: int = 2  # a trained token's version >= learner version - max_staleness
+    stale_policy: Literal["drop", "requeue"] = "drop"  # what happens to a group past the bound
+    num_rollout_workers: int = 2
+    num_env_workers: int = 1
+    seq_len: int = 64  # packed row length
+    min_rows: int = 4  # batches are padded to at least this many rows (and powers of two beyond): few compiles
+    call_timeout_s: float = 120.0  # every remote call that is waited on
+    group_timeout_s: float = 600.0  # a group not back by then is abandoned and re-queued
+    max_group_retries: int = 2  # re-dispatches of a group whose worker died or timed out
+    max_episode_retries: int = 1  # re-runs of an episode whose environment call failed
+    max_restarts: int = 3  # Ray actor restarts
+    in_flight_updates: bool = True  # swap weights between decode chunks; False: only between groups
+    recompute_cache: bool = True  # on an in-flight swap, re-prefill live sequences under the new weights
+
+    def __post_init__(self):
+        for name in ("steps", "group_size", "groups_per_step", "num_rollout_workers", "num_env_workers",
+                     "seq_len", "min_rows"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"system.{name} must be positive, got {getattr(self, name)}")
+        if self.max_staleness < 0 or self.max_group_retries < 0 or self.max_episode_retries < 0:
+            raise ConfigError("system.max_staleness, max_group_retries, max_episode_retries must be >= 0")
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    full_every: int = 25  # a full packet every N steps resets the delta chain
+    compression: Literal["zlib", "lzma", "none"] = "zlib"
+    level: int = 1
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """`target`: single-turn, reward = fraction of generated tokens equal to `target_token` (a learnable
+    signal for tiny models; `delay_s` emulates sandbox/grader latency). `ladder`: agentic episodes on the
+    task ladder (rl/tasks/ladder.py) through the harness, tools and grader in sandboxes."""
+
+    kind: Literal["target", "ladder"] = "target"
+    num_prompts: int = 64
+    eval_prompts: int = 8  # held out (different seed)
+    prompt_len: int = 4
+    gen_len: int = 8
+    target_token: int = 3
+    delay_s: float = 0.0
+    temperature: float = 1.0
+    # ladder
+    rungs: tuple[str, ...] = ("answer",)
+    per_rung: int = 8
+    sandbox: Literal["bwrap", "local"] = "bwrap"
+    prompt_level: Literal["terse", "issue", "full"] = "terse"
+    episode: EpisodeConfig = field(default_factory=lambda: EpisodeConfig(
+        max_turns=2, max_model_tokens=64, max_new_tokens_per_turn=32, max_context_tokens=4096,
+        wall_clock_s=120.0))
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    enabled: bool = True
+    by: Literal["turns", "tokens"] = "tokens"  # hardness signal of recent rollouts (the report's heuristic)
+    window: int = 8  # recent groups remembered per prompt
+    strength: float = 1.0  # weight = (1 + hardness / mean hardness) ** strength
+    skip_zero_variance: bool = False  # drop groups whose G rewards are equal (they carry no gradient)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # learner steps between online evals; 0: off
+    k: int = 4  # samples per held-out prompt: avg@1 and best-of-K
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10
+    keep_last: int = 2
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = ""  # "" = start an embedded local Ray; "auto" or host:port = join a cluster
+    num_cpus: int = 2  # local Ray only
+    rollout_cpus: float = 0.25  # logical CPUs per rollout worker / evaluator, so several fit on a laptop
+    learner_cpus: float = 0.5
+    env_cpus: float = 0.1
+    learner_gpus: float = 0.0
+    rollout_gpus: float = 0.0
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """`rl`/`engine`: the real learner (rl.learner.rl_step) and sampler (InferenceEngine). `fake`: NumPy
+    stand-ins (a categorical policy trained by REINFORCE) for fast tests of the system itself."""
+
+    learner: Literal["rl", "fake"] = "rl"
+    policy: Literal["engine", "fake"] = "engine"
+    fake_vocab: int = 16
+    fake_frozen_params: int = 4096  # parameters the fake learner never changes (delta-compression realism)
+
+
+@dataclass(frozen=True)
+class RLSystemConfig:
+    name: str = "rl"
+    seed: int = 0
+    output_dir: str = "runs/rl"
+    resume: bool = True  # pick up the run dir's learner checkpoint and persisted groups
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(slots=8, max_len=256, chunk_steps=4))
+    env: EnvConfig = field(default_factory=EnvConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    log_every: int = 1
+    dashboard: bool = True  # live rich dashboard when stdout is a TTY
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def load_system_config(source: str | os.PathLike | None, overrides: Sequence[str] = ()) -> RLSystemConfig:
+    data = load_yaml(source) if source is not None else {}
+    data = _resolve_presets(apply_overrides(data, overrides))
+    return from_dict(RLSystemConfig, data)
+
+
+def save_system_config(cfg: RLSystemConfig, directory: str | os.PathLike) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return dump_yaml(cfg, directory / "config.yaml")

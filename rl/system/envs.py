@@ -1,0 +1,218 @@
+"""Environments: the prompt sets, the episode runners (on rollout workers) and what environment workers
+execute (sandbox operations, grading).
+
+`target` (single turn): prompts are random token ids; reward = fraction of generated tokens equal to
+`target_token`, graded on an environment worker after `delay_s` (emulated sandbox/grader latency).
+`ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
+agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
+Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.tasks.grading.grade.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from rl.sandbox.base import Sandbox, SandboxError
+from rl.system.config import EnvConfig
+from rl.system.groups import Rollout
+
+
+# ---------------------------------------------------------------------------------------- prompt sets
+def target_prompts(cfg: EnvConfig, vocab: int, seed: int, held_out: bool = False) -> dict[str, list[int]]:
+    n = cfg.eval_prompts if held_out else cfg.num_prompts
+    rng = np.random.default_rng([seed, 1 if held_out else 0])
+    tag = "eval" if held_out else "train"
+    return {f"{tag}-{i:04d}": [int(t) for t in rng.integers(0, vocab, cfg.prompt_len)] for i in range(n)}
+
+
+def ladder_tasks(cfg: EnvConfig, directory: Path, seed: int, held_out: bool = False) -> dict[str, Path]:
+    """task id -> task directory; the held-out set is the ladder built from another seed."""
+    from rl.tasks.ladder import build_ladder
+
+    out = directory / ("eval" if held_out else "train")
+    paths = build_ladder(out, seed=seed + (1000 if held_out else 0), per_rung=cfg.per_rung, rungs=cfg.rungs)
+    return {p.name: p for p in paths}
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer (256 byte tokens, no merges) plus the chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from rl.harness import add_chat_special_tokens
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator([], trainers.BpeTrainer(vocab_size=len(alphabet), initial_alphabet=alphabet,
+                                                    show_progress=False))
+    add_chat_special_tokens(tok)
+    return tok
+
+
+# ------------------------------------------------------------------------------ environment-worker side
+class EnvironmentHost:
+    """What an environment worker runs: grading and, for agentic tasks, the episode sandboxes."""
+
+    def __init__(self, cfg: EnvConfig, tasks: dict[str, Path] | None = None):
+        self.cfg = cfg
+        self.task_dirs = dict(tasks or {})
+        self._tasks: dict = {}
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._next = 0
+
+    def grade_target(self, tokens: list[int]) -> float:
+        if self.cfg.delay_s:
+            time.sleep(self.cfg.delay_s)
+        tokens = np.asarray(tokens)
+        return float((tokens == self.cfg.target_token).mean()) if tokens.size else 0.0
+
+    def _task(self, task_id: str):
+        from rl.tasks.task import load_task
+
+        if task_id not in self._tasks:
+            if task_id not in self.task_dirs:
+                raise KeyError(f"unknown task {task_id!r}")
+            self._tasks[task_id] = load_task(self.task_dirs[task_id])
+        return self._tasks[task_id]
+
+    def _factory(self):
+        from rl.tasks.build import sandbox_factory
+
+        return sandbox_factory(self.cfg.sandbox)
+
+    def open_sandbox(self, task_id: str) -> str:
+        sandbox = self._factory()(self._task(task_id).repo_dir)
+        self._next += 1
+        sid = f"sb{self._next}"
+        self._sandboxes[sid] = sandbox
+        return sid
+
+    def sandbox_call(self, sid: str, method: str, args: tuple, kwargs: dict):
+        if sid not in self._sandboxes:
+            raise SandboxError(f"sandbox {sid} is gone (the environment worker restarted?)")
+        return getattr(self._sandboxes[sid], method)(*args, **kwargs)
+
+    def close_sandbox(self, sid: str) -> None:
+        sandbox = self._sandboxes.pop(sid, None)
+        if sandbox is not None:
+            sandbox.close()
+
+    def grade_patch(self, task_id: str, patch: str) -> tuple[float, dict]:
+        from rl.tasks.grading import grade
+
+        result = grade(self._task(task_id), patch, self._factory())
+        return float(result.reward), {"status": result.status}
+
+
+# ---------------------------------------------------------------------------------- rollout-worker side
+class RemoteSandbox(Sandbox):
+    """The Sandbox interface, each call forwarded to an environment worker (with a timeout)."""
+
+    def __init__(self, call: Callable, task_id: str):
+        self._call = call  # call(method_name, *args) -> result, raising on timeout / a dead worker
+        self.sid = call("open_sandbox", task_id)
+
+    def _fwd(self, method, *args, **kwargs):
+        return self._call("sandbox_call", self.sid, method, args, kwargs)
+
+    def exec(self, command, *, timeout_s=None, cwd=".", env=None, stdin=None):
+        return self._fwd("exec", command, timeout_s=timeout_s, cwd=cwd, env=env, stdin=stdin)
+
+    def read_bytes(self, path):
+        return self._fwd("read_bytes", path)
+
+    def write_bytes(self, path, data):
+        return self._fwd("write_bytes", path, data)
+
+    def remove(self, path):
+        return self._fwd("remove", path)
+
+    def exists(self, path):
+        return self._fwd("exists", path)
+
+    def is_dir(self, path):
+        return self._fwd("is_dir", path)
+
+    def list_dir(self, path="."):
+        return self._fwd("list_dir", path)
+
+    def host_path(self):
+        raise SandboxError("a remote sandbox has no host path on the rollout worker")
+
+    def diff(self):
+        return self._fwd("diff")
+
+    def fork(self):
+        raise SandboxError("remote sandboxes do not fork")
+
+    def close(self):
+        try:
+            self._call("close_sandbox", self.sid)
+        except Exception:  # noqa: BLE001 -- a dead environment worker took the sandbox with it
+            pass
+
+
+def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, group_size: int, seed: int,
+                     max_retries: int) -> list[Rollout]:
+    """G samples of one prompt in one batched generate call, each graded on an environment worker."""
+    from models.inference.engine import Request
+
+    requests = [Request(list(prompt), cfg.gen_len, (), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
+                for i in range(group_size)]
+    results = generate(requests)
+    rollouts = []
+    for res in results:
+        tokens = list(prompt) + list(res.token_ids)
+        n_p = len(prompt)
+        seq = {"tokens": tokens, "loss_mask": [0] * n_p + [1] * len(res.token_ids),
+               "behavior_logprobs": [0.0] * n_p + [float(x) for x in res.logprobs],
+               "policy_versions": [-1] * n_p + [int(v) for v in res.policy_versions]}
+        reward, error, attempts = 0.0, None, 0
+        while attempts <= max_retries:
+            attempts += 1
+            try:
+                reward, error = float(env_call("grade_target", list(res.token_ids))), None
+                break
+            except Exception as e:  # noqa: BLE001 -- worker died or timed out: retry, then record
+                error = f"grading failed ({type(e).__name__}): {e}"
+        rollouts.append(Rollout([seq], reward, res.finish_reason, error, 1, len(res.token_ids), attempts))
+    return rollouts
+
+
+def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: str, cfg: EnvConfig,
+                       seed: int, max_retries: int) -> Rollout:
+    """One agentic episode; an episode whose environment failed is re-run up to max_retries times."""
+    from rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
+
+    error = None
+    for attempt in range(1, max_retries + 2):
+        sandbox = None
+        try:
+            sandbox = RemoteSandbox(env_call, task_id)
+            agent = SamplerAgent(policy, renderer, temperature=cfg.temperature)
+
+            def reward_fn(_sandbox, traj):
+                return env_call("grade_patch", task_id, traj.final_diff)
+
+            traj = run_episode(agent, sandbox, EpisodeTask(task_id, instruction), default_registry(), cfg.episode,
+                               seed=seed, reward_fn=reward_fn)
+        except Exception:  # noqa: BLE001
+            error = traceback.format_exc()
+            continue
+        finally:
+            if sandbox is not None:
+                sandbox.close()
+        if traj.reward is None:  # the episode errored (sandbox, grader): run it again
+            error = traj.error or f"episode ended with {traj.finish_reason} and no reward"
+            continue
+        seqs = [{"tokens": s.token_ids, "loss_mask": s.loss_mask, "behavior_logprobs": s.logprobs,
+                 "policy_versions": s.policy_versions} for s in traj.segments if s.token_ids]
+        return Rollout(seqs, float(traj.reward), traj.finish_reason, None, traj.num_turns, traj.num_model_tokens,
+                       attempt)
+    return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1)

@@ -1,0 +1,120 @@
+"""The sample lifecycle's data: a rollout (one episode's sequences and reward), a group of G rollouts of
+one prompt with its advantages, and the packed batch built from groups.
+
+A rollout holds one sequence per context segment (self-summarization makes several); every token carries
+the sampler's logprob and the policy version that sampled it (-1 on environment tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from rl.advantages import group_advantages
+from rl.batch import RLBatch, pack
+from rl.config import AdvantageConfig
+
+
+@dataclass
+class Rollout:
+    sequences: list[dict]  # each {tokens, loss_mask, behavior_logprobs, policy_versions} as lists
+    reward: float
+    finish_reason: str = ""
+    error: str | None = None
+    turns: int = 1
+    model_tokens: int = 0
+    attempts: int = 1
+
+    @property
+    def errored(self) -> bool:
+        return self.error is not None
+
+    def versions(self) -> list[int]:
+        return [v for s in self.sequences for v, m in zip(s["policy_versions"], s["loss_mask"]) if m]
+
+
+@dataclass
+class Group:
+    group_id: str
+    prompt_id: str
+    rollouts: list[Rollout]
+    advantages: list[float] = field(default_factory=list)
+    attempt: int = 0
+    worker: str = ""
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.asarray([r.reward for r in self.rollouts], np.float32)
+
+    @property
+    def errored(self) -> bool:
+        return any(r.errored for r in self.rollouts)
+
+    @property
+    def min_version(self) -> int:
+        vs = [v for r in self.rollouts for v in r.versions()]
+        return min(vs) if vs else -1
+
+    @property
+    def max_version(self) -> int:
+        vs = [v for r in self.rollouts for v in r.versions()]
+        return max(vs) if vs else -1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.model_tokens for r in self.rollouts)
+
+    @property
+    def zero_variance(self) -> bool:
+        rw = self.rewards
+        return bool(rw.max() - rw.min() <= 1e-6)
+
+    def with_advantages(self, cfg: AdvantageConfig) -> Group:
+        self.advantages = [float(a) for a in np.asarray(group_advantages(self.rewards[None], cfg))[0]]
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["min_version"], d["max_version"] = self.min_version, self.max_version
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Group:
+        d = {k: v for k, v in d.items() if k not in ("min_version", "max_version")}
+        return cls(**(d | {"rollouts": [Rollout(**r) for r in d["rollouts"]]}))
+
+
+def batch_sequences(groups: Sequence[Group]) -> list[dict]:
+    out = []
+    for g in groups:
+        if len(g.advantages) != len(g.rollouts):
+            raise ValueError(f"group {g.group_id} has no advantages; call with_advantages first")
+        for r, adv in zip(g.rollouts, g.advantages):
+            for s in r.sequences:
+                if len(s["tokens"]) >= 2:
+                    out.append({"tokens": np.asarray(s["tokens"], np.int32),
+                                "loss_mask": np.asarray(s["loss_mask"], bool),
+                                "behavior_logprobs": np.asarray(s["behavior_logprobs"], np.float32),
+                                "policy_versions": np.asarray(s["policy_versions"], np.int32),
+                                "advantage": adv})
+    return out
+
+
+def build_batch(groups: Sequence[Group], seq_len: int, min_rows: int, row_multiple: int = 1) -> RLBatch:
+    """Packs the groups' sequences into [rows, seq_len]; rows = the first of min_rows * 2^k that fits (and
+    divides by row_multiple), so a run compiles rl_step for few shapes. Truncates nothing: a sequence
+    longer than seq_len is an error naming the limit."""
+    seqs = batch_sequences(groups)
+    rows = min_rows
+    while True:
+        try:
+            num_rows = -(-rows // row_multiple) * row_multiple
+            return pack(seqs, seq_len, num_rows=num_rows,
+                        group_rewards=np.stack([g.rewards for g in groups]) if groups else None)
+        except ValueError as e:
+            if "allowed" not in str(e) or rows > 1 << 16:
+                raise
+            rows *= 2

@@ -1,0 +1,366 @@
+"""The reconciler: owns the sample lifecycle and schedules it against staleness.
+
+prompt -> dispatched group (a rollout worker runs G episodes; its environment worker runs tools and
+grades) -> graded group (advantages, persisted to disk, tagged with policy versions) -> packed batch
+(groups past the staleness bound dropped or re-queued) -> trained (the learner's rl_step) -> weight
+packet (a delta in the Ray object store) pushed to every sampler, swapped in at a decode-chunk boundary.
+
+async: samplers keep generating while the learner trains; admission keeps them <= max_staleness versions
+ahead. sync: the same components, but a batch is generated only after the previous step's weights are
+out, and the learner waits for it (the ablation baseline).
+
+Everything waited on has a timeout; a group whose worker died or timed out is re-dispatched up to
+max_group_retries times, then recorded as errored; every outcome is counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from rl.system.actors import Evaluator, Learner, RolloutWorker, spawn, spawn_env_worker
+from rl.system.config import RLSystemConfig, save_system_config
+from rl.system.curriculum import Curriculum
+from rl.system.envs import byte_tokenizer, ladder_tasks, target_prompts
+from rl.system.groups import Group, build_batch
+from rl.system.staleness import StalenessManager, is_stale, oldest_allowed
+from rl.system.store import GroupStore
+from rl.system.weight_sync import WeightChain
+
+
+class Reconciler:
+    def __init__(self, cfg: RLSystemConfig, *, on_step: Callable | None = None, console=None):
+        self.cfg, self.on_step, self.console = cfg, on_step, console
+        self.run_dir = cfg.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.counts = collections.Counter()
+        self.history: list[dict] = []
+        self.eval_history: list[dict] = []
+        self.ready: collections.deque[Group] = collections.deque()
+        self.inflight: dict = {}  # ref -> (spec, worker index, dispatch time)
+        self.retry: collections.deque[dict] = collections.deque()
+        self.training = None
+        self.eval_ref = None
+        self.chain = WeightChain()
+        self.staleness = StalenessManager(cfg.system.max_staleness, cfg.system.groups_per_step)
+        self.trained_rewards: collections.deque[float] = collections.deque(maxlen=64)
+        self.actors: list = []
+
+    # set-up -------------------------------------------------------------------------------------------
+    def _prompts(self):
+        cfg = self.cfg
+        if cfg.env.kind == "target":
+            vocab = cfg.backend.fake_vocab if cfg.backend.policy == "fake" else cfg.model.vocab_size
+            return target_prompts(cfg.env, vocab, cfg.seed), target_prompts(cfg.env, vocab, cfg.seed, True), {}
+        vocab = byte_tokenizer().get_vocab_size()
+        if cfg.backend.policy == "engine" and cfg.model.vocab_size < vocab:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
+                             f"{vocab} tokens; set model.vocab_size >= {vocab}")
+        train = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed)
+        held = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed, held_out=True)
+        held = dict(list(held.items())[: cfg.env.eval_prompts])
+        from rl.tasks.task import load_task
+
+        def instructions(paths):
+            return {tid: load_task(p).prompt(cfg.env.prompt_level) for tid, p in paths.items()}
+
+        return instructions(train), instructions(held), {**train, **held}
+
+    def start(self) -> None:
+        import ray
+
+        cfg, sc = self.cfg, self.cfg.system
+        if not ray.is_initialized():
+            if cfg.ray.address:
+                ray.init(address=cfg.ray.address, logging_level="ERROR")
+            else:
+                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level="ERROR")
+        need = cfg.ray.learner_cpus + sc.num_env_workers * cfg.ray.env_cpus + cfg.ray.rollout_cpus * (
+            sc.num_rollout_workers + (cfg.eval.every > 0))
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if need > have + 1e-9:
+            raise ValueError(f"the actors need {need:g} logical CPUs (ray.learner_cpus, env_cpus, rollout_cpus x "
+                             f"workers + evaluator) but the Ray cluster has {have:g}; lower them or raise "
+                             "ray.num_cpus")
+        save_system_config(cfg, self.run_dir)
+        self.train_prompts, self.eval_prompts, task_dirs = self._prompts()
+        tag = uuid.uuid4().hex[:6]
+        self.env_workers = [spawn_env_worker(cfg, task_dirs, f"env-{tag}-{i}") for i in range(sc.num_env_workers)]
+        self.learner = spawn(Learner, cfg, str(self.run_dir), name=f"learner-{tag}", cpus=cfg.ray.learner_cpus,
+                             gpus=cfg.ray.learner_gpus)
+        self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self.train_prompts, f"rollout{i}",
+                              name=f"rollout-{tag}-{i}", cpus=cfg.ray.rollout_cpus, gpus=cfg.ray.rollout_gpus,
+                              concurrency=4) for i in range(sc.num_rollout_workers)]
+        self.evaluator = None
+        if cfg.eval.every > 0:
+            self.evaluator = spawn(Evaluator, cfg, self.env_workers, self.eval_prompts, "evaluator",
+                                   name=f"evaluator-{tag}", cpus=cfg.ray.rollout_cpus, concurrency=2)
+        self.actors = [*self.env_workers, self.learner, *self.workers] + ([self.evaluator] if self.evaluator else [])
+        version_ref, packet_ref = self.learner.start.options(num_returns=2).remote(cfg.resume)
+        self.version = self.start_version = ray.get(version_ref, timeout=max(sc.call_timeout_s, 600))
+        self.chain.add(self.version, "full", packet_ref)
+        self.store = GroupStore(self.run_dir)
+        self.curriculum = Curriculum(list(self.train_prompts), cfg.curriculum, cfg.seed + self.version)
+        if cfg.resume:
+            pending = self.store.pending(self.version)
+            self.ready.extend(pending)
+            self.counts["groups_resumed"] = len(pending)
+        self.staleness.on_resume(self.version)
+        self.staleness.accepted += len(self.ready)
+        self.idle = set(range(len(self.workers)))
+        from c2jax.train.metrics import MetricsWriter
+
+        self.metrics = MetricsWriter(self.run_dir)
+        self.t_start = time.perf_counter()
+        self.learner_busy_s = 0.0
+
+    # scheduling ---------------------------------------------------------------------------------------
+    def _can_dispatch(self) -> bool:
+        sc = self.cfg.system
+        if sc.mode == "sync":
+            return self.training is None and len(self.ready) + len(self.inflight) < sc.groups_per_step
+        return self.staleness.capacity(self.version) > 0
+
+    def _dispatch(self) -> None:
+        while self.idle and (self.retry or self._can_dispatch()):
+            if self.retry:
+                spec = self.retry.popleft()
+            else:
+                n = self.counts["groups_dispatched"]
+                spec = {"group_id": f"v{self.version}-{uuid.uuid4().hex[:10]}",
+                        "prompt_id": self.curriculum.next_prompt(),
+                        "seed": self.cfg.seed * 1_000_003 + self.start_version * 10_007 + n, "attempt": 0}
+                self.counts["groups_dispatched"] += 1
+            w = min(self.idle)
+            self.idle.discard(w)
+            ref = self.workers[w].run_group.remote(spec, self.chain.payloads())
+            self.inflight[ref] = (spec, w, time.perf_counter())
+            self.staleness.on_dispatch()
+
+    def _take_batch(self) -> list[Group] | None:
+        sc = self.cfg.system
+        fresh = []
+        while self.ready and len(fresh) < sc.groups_per_step:
+            g = self.ready.popleft()
+            if is_stale(g.min_version, self.version, sc.max_staleness):
+                requeue = sc.stale_policy == "requeue"
+                self.staleness.on_stale(requeue)
+                self.counts["groups_requeued_stale" if requeue else "groups_dropped_stale"] += 1
+                self.store.mark(g.group_id, "stale", min_version=g.min_version, learner_version=self.version)
+                if requeue:
+                    self.curriculum.requeue(g.prompt_id)
+                continue
+            fresh.append(g)
+        if len(fresh) < sc.groups_per_step:
+            self.ready.extendleft(reversed(fresh))
+            return None
+        return fresh
+
+    def _maybe_train(self) -> None:
+        if self.training is not None:
+            return
+        groups = self._take_batch()
+        if groups is None:
+            return
+        sc = self.cfg.system
+        batch = build_batch(groups, sc.seq_len, sc.min_rows, self.cfg.rl.micro_batches)
+        mask = np.asarray(batch.loss_mask, bool)
+        versions = np.asarray(batch.policy_versions)[mask]
+        min_v = int(versions.min()) if versions.size else self.version
+        if min_v < oldest_allowed(self.version, sc.max_staleness):  # cannot happen: _take_batch filters
+            raise AssertionError(f"staleness bound violated: token v{min_v} at learner v{self.version}")
+        metrics_ref, packet_ref = self.learner.train.options(num_returns=2).remote(batch)
+        info = {"groups": [g.group_id for g in groups], "t0": time.perf_counter(),
+                "reward": float(np.mean([g.rewards.mean() for g in groups])),
+                "tokens": int(mask.sum()), "samples": sum(len(g.rollouts) for g in groups),
+                "min_token_version": min_v, "staleness_max": self.version - min_v,
+                "staleness_mean": float(self.version - versions.mean()) if versions.size else 0.0}
+        self.training = (metrics_ref, packet_ref, info)
+
+    # completions --------------------------------------------------------------------------------------
+    def _on_group(self, ref) -> None:
+        import ray
+
+        spec, w, _ = self.inflight.pop(ref)
+        self.idle.add(w)
+        try:
+            group: Group = ray.get(ref, timeout=self.cfg.system.call_timeout_s)
+        except Exception as e:  # noqa: BLE001 -- RayActorError (worker died), task error, timeout
+            self._on_group_failed(spec, f"{type(e).__name__}: {str(e)[:300]}")
+            return
+        self.staleness.on_return(accepted=True)
+        self.counts["groups_returned"] += 1
+        self.counts["episodes_returned"] += len(group.rollouts)
+        self.counts["episodes_retried"] += sum(r.attempts - 1 for r in group.rollouts)
+        self.last_worker_info = group.timings
+        if group.errored:
+            self.counts["groups_errored"] += 1
+            self.counts["episodes_errored"] += sum(r.errored for r in group.rollouts)
+            self.staleness.on_skipped()
+            self.store.put(group)
+            self.store.mark(group.group_id, "errored")
+            return
+        self.curriculum.observe(group.prompt_id, np.mean([r.turns for r in group.rollouts]),
+                                np.mean([r.model_tokens for r in group.rollouts]))
+        if self.cfg.curriculum.skip_zero_variance and group.zero_variance:
+            self.counts["groups_skipped_zero_variance"] += 1
+            self.staleness.on_skipped()
+            self.store.put(group.with_advantages(self.cfg.rl.advantage))
+            self.store.mark(group.group_id, "skipped")
+            return
+        group.with_advantages(self.cfg.rl.advantage)
+        self.store.put(group)  # fsynced before it can be trained: a crash never loses a finished group
+        self.ready.append(group)
+
+    def _on_group_failed(self, spec: dict, why: str) -> None:
+        self.staleness.on_return(accepted=False)
+        if spec["attempt"] < self.cfg.system.max_group_retries:
+            self.counts["groups_retried"] += 1
+            self.retry.append({**spec, "attempt": spec["attempt"] + 1})
+        else:  # recorded as lost: its episodes count as errored
+            self.counts["groups_lost"] += 1
+            self.counts["episodes_errored"] += spec.get("group_size", self.cfg.system.group_size)
+            self.store.mark(spec["group_id"], "lost", error=why, prompt_id=spec["prompt_id"])
+
+    def _on_trained(self) -> None:
+        import ray
+
+        metrics_ref, packet_ref, info = self.training
+        self.training = None
+        metrics = ray.get(metrics_ref, timeout=self.cfg.system.call_timeout_s)
+        self.version += 1
+        self.chain.add(self.version, "full" if metrics.get("sync/full") else "delta", packet_ref)
+        for wkr in self.workers:  # fire and forget: the learner never waits for a sampler
+            wkr.sync.remote(self.chain.payloads())
+        self.store.mark_trained(info["groups"], self.version)
+        self.learner_busy_s += metrics.get("learner/step_s", 0.0)
+        self.trained_rewards.append(info["reward"])
+        self._log(metrics, info)
+        if self.evaluator is not None and self.eval_ref is None and (
+                self.version % self.cfg.eval.every == 0 or self.version >= self.cfg.system.steps):
+            self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), self.cfg.eval.k,
+                                                           self.chain.payloads(), self.version)
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def _on_eval(self) -> None:
+        import ray
+
+        ref, self.eval_ref = self.eval_ref, None
+        try:
+            res = ray.get(ref, timeout=self.cfg.system.call_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self.counts["evals_failed"] += 1
+            print(f"warning: online eval failed: {type(e).__name__}: {e}")
+            return
+        version = int(res.pop("version"))
+        self.eval_history.append({"step": version, **res})
+        self.metrics.write(version, res, kind="eval")
+
+    def _log(self, metrics: dict, info: dict) -> None:
+        wall = time.perf_counter() - self.t_start
+        steps = self.version - self.start_version
+        self.counts["tokens_trained"] += info["tokens"]
+        self.counts["samples_trained"] += info["samples"]
+        row = {**metrics, "reward/mean": info["reward"], "staleness/batch_max": info["staleness_max"],
+               "staleness/batch_mean": info["staleness_mean"], "queue/ready": len(self.ready),
+               "queue/inflight": len(self.inflight), "queue/retry": len(self.retry),
+               "throughput/tokens_per_s": self.counts["tokens_trained"] / wall,
+               "throughput/samples_per_s": self.counts["samples_trained"] / wall,
+               "throughput/steps_per_s": steps / wall, "learner/busy_fraction": self.learner_busy_s / wall,
+               "time/wall_s": wall, **{f"count/{k}": float(v) for k, v in self.counts.items()}}
+        lat = getattr(self, "last_worker_info", {}).get("sync_latency_s")
+        if lat is not None:
+            row["sync/latency_s"] = lat
+        self.history.append({"step": self.version, **row})
+        if self.version % self.cfg.log_every == 0 or self.version >= self.cfg.system.steps:
+            self.metrics.write(self.version, row)
+
+    # main loop ----------------------------------------------------------------------------------------
+    def run(self, dashboard=None) -> dict:
+        import ray
+
+        target = self.cfg.system.steps
+        while self.version < target:
+            self._dispatch()
+            self._maybe_train()
+            waiting = list(self.inflight) + ([self.training[0]] if self.training else []) + \
+                ([self.eval_ref] if self.eval_ref is not None else [])
+            if not waiting:
+                raise RuntimeError("the reconciler has nothing in flight and cannot train: no idle rollout "
+                                   "worker, or groups_per_step exceeds what admission allows")
+            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            for ref in done:
+                if self.training is not None and ref == self.training[0]:
+                    self._on_trained()
+                elif ref == self.eval_ref:
+                    self._on_eval()
+                elif ref in self.inflight:
+                    self._on_group(ref)
+            self._expire()
+            if dashboard is not None:
+                dashboard.update(self)
+        if self.eval_ref is not None:
+            self._on_eval()
+        if self.evaluator is not None and (not self.eval_history or self.eval_history[-1]["step"] < self.version):
+            self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), self.cfg.eval.k,
+                                                           self.chain.payloads(), self.version)
+            self._on_eval()  # the final weights are always evaluated
+        return self.summary()
+
+    def _expire(self) -> None:
+        now, limit = time.perf_counter(), self.cfg.system.group_timeout_s
+        for ref, (spec, w, t0) in list(self.inflight.items()):
+            if now - t0 > limit:
+                del self.inflight[ref]
+                self.idle.add(w)
+                self.counts["groups_timed_out"] += 1
+                self._on_group_failed(spec, f"no result after {limit:.0f}s")
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.t_start
+        return {"steps": self.version - self.start_version, "version": self.version, "wall_s": wall,
+                "start_version": self.start_version, "inflight_at_end": len(self.inflight),
+                "retry_at_end": len(self.retry), "ready_at_end": len(self.ready),
+                "counts": dict(self.counts), "staleness": {"dropped": self.staleness.dropped,
+                                                           "requeued": self.staleness.requeued},
+                "history": self.history, "eval": self.eval_history}
+
+    def worker_info(self) -> list[dict]:
+        import ray
+
+        return ray.get([w.info.remote() for w in self.workers], timeout=self.cfg.system.call_timeout_s)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 -- already gone
+                pass
+        self.actors = []
+
+
+def run_system(cfg: RLSystemConfig, *, on_step=None, dashboard=None) -> dict:
+    rec = Reconciler(cfg, on_step=on_step)
+    try:
+        rec.start()
+        out = rec.run(dashboard)
+        import ray
+
+        synced = [w.sync.remote(rec.chain.payloads()) for w in rec.workers]
+        out["worker_synced_versions"] = ray.get(synced, timeout=cfg.system.call_timeout_s)
+        out["worker_info"] = rec.worker_info()
+        return out
+    finally:
+        rec.shutdown()
+
