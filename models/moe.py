@@ -328,8 +328,11 @@ class MoE(nnx.Module):
         cfg = self.cfg
         batch, seq, d = x.shape
         gate_up, down = self.gate_up_proj[...], self.down_proj[...]
-        if active_mesh_axes("experts") is not None:
-            # imported here: models.expert_parallel builds on this module's route and dispatch
+        # imported here: models.expert_parallel builds on this module's route and dispatch
+        from models.expert_parallel import token_parallel_mesh
+
+        sharded_tokens = cfg.moe_impl == "sorted" and token_parallel_mesh() is not None
+        if active_mesh_axes("experts") is not None or sharded_tokens:
             from models.expert_parallel import moe_expert_parallel
 
             y, routing = moe_expert_parallel(cfg, x, self.gate[...], self.e_score_correction_bias[...],
