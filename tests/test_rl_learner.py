@@ -15,9 +15,10 @@ from models.config import preset
 from models.moe import route
 from models.transformer import forward, init
 from rl.advantages import group_advantages
-from rl.batch import RLBatch, pack, replay_from_model
+from rl.batch import pack, replay_from_model
 from rl.config import KLConfig, LossConfig, RLConfig
 from rl.learner import init_rl_state, make_optimizer, make_rl_step
+from rl.toy import make_full_forward_sampler, single_turn_batch
 
 CFG = preset("tiny").replace(vocab_size=16, num_hidden_layers=2, num_nextn_predict_layers=0, moe_impl="dense",
                              n_group=1, topk_group=1)
@@ -162,30 +163,6 @@ def test_kl_reference_refresh_and_staleness():
 PROMPT, GEN, TARGET, GROUPS, G = 2, 4, 3, 8, 8
 
 
-def make_sampler(graphdef):
-    """Temperature-1 ancestral sampling with a full forward per token (sequences are 6 tokens); returns
-    tokens, the behaviour logprob of every sampled token, and the experts of every input position."""
-
-    @jax.jit
-    def sample(params, model_state, prompts, key):
-        model = nnx.merge(graphdef, params, model_state)
-        n, total = prompts.shape[0], PROMPT + GEN
-        ids = jnp.zeros((n, total), jnp.int32).at[:, :PROMPT].set(prompts)
-
-        def body(t, carry):
-            ids, logps, key = carry
-            logits = jax.lax.dynamic_index_in_dim(model(ids, return_mtp=False).logits, t - 1, 1, False)
-            key, sub = jax.random.split(key)
-            tok = jax.random.categorical(sub, logits)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)[:, 0]
-            return ids.at[:, t].set(tok), logps.at[:, t].set(logp), key
-
-        ids, logps, _ = jax.lax.fori_loop(PROMPT, total, body, (ids, jnp.zeros((n, total)), key))
-        return ids, logps, model(ids, return_mtp=False).expert_ids
-
-    return sample
-
-
 def test_tiny_transformer_learns_to_emit_target_token():
     """Reward = fraction of the 4 generated tokens equal to TARGET (vocab 16, so ~1/16 at random init).
     Criterion: the mean reward of the last 3 steps (3 x 256 sampled tokens) is >= 0.5 and >= start + 0.3;
@@ -194,7 +171,7 @@ def test_tiny_transformer_learns_to_emit_target_token():
     cfg = RLConfig(learning_rate=3e-3, loss=LossConfig(constant_normalizer=float(GROUPS * G * GEN)))
     tx = make_optimizer(cfg)
     graphdef, state = init_rl_state(init(CFG), tx, cfg)
-    step, sample = make_rl_step(graphdef, tx, cfg), make_sampler(graphdef)
+    step, sample = make_rl_step(graphdef, tx, cfg), make_full_forward_sampler(graphdef, PROMPT, GEN)
     key = jax.random.key(0)
     rewards_per_step = []
     t0 = time.time()
@@ -206,18 +183,8 @@ def test_tiny_transformer_learns_to_emit_target_token():
         rewards = (ids[:, PROMPT:] == TARGET).mean(-1)
         rewards_per_step.append(rewards.mean())
         adv = np.asarray(group_advantages(rewards.reshape(GROUPS, G))).reshape(-1)
-        n, total = ids.shape
-        loss_mask = np.zeros((n, total), bool)
-        loss_mask[:, PROMPT - 1:total - 1] = True  # position t predicts sampled token t + 1
-        batch = RLBatch(
-            input_ids=ids, targets=np.concatenate([ids[:, 1:], np.zeros((n, 1), ids.dtype)], 1),
-            loss_mask=loss_mask, positions=np.broadcast_to(np.arange(total), (n, total)).astype(np.int32),
-            segment_ids=np.ones((n, total), np.int32),
-            sequence_ids=np.broadcast_to(np.arange(n)[:, None], (n, total)).astype(np.int32),
-            advantages=np.where(loss_mask, adv[:, None], 0.0).astype(np.float32),
-            behavior_logprobs=np.concatenate([logps[:, 1:], np.zeros((n, 1))], 1).astype(np.float32),
-            policy_versions=np.full((n, total), it, np.int32), replay_ids=replay_from_model(experts),
-            group_rewards=rewards.reshape(GROUPS, G).astype(np.float32))
+        batch = single_turn_batch(ids, logps, experts, adv, PROMPT, it,
+                                  group_rewards=rewards.reshape(GROUPS, G).astype(np.float32))
         state, metrics = step(state, jax.tree.map(jnp.asarray, batch))
         assert float(metrics["replay/override_fraction"]) == 0.0
         assert float(metrics["mismatch/abs_p99"]) < 1e-3  # same weights, same numerics

@@ -18,59 +18,20 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import yaml
-from flax import nnx
 from tensorboardX import SummaryWriter
 
 from experiments.ablations.provenance import git_commit
 from models.config import preset
 from models.transformer import init
 from rl.advantages import group_advantages
-from rl.batch import RLBatch, replay_from_model
 from rl.config import AdvantageConfig, LossConfig, RLConfig
 from rl.learner import init_rl_state, make_optimizer, make_rl_step
+from rl.toy import make_full_forward_sampler, single_turn_batch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def make_sampler(graphdef, prompt_len: int, gen: int):
-    """Temperature-1 ancestral sampling (full forward per token; sequences are a few tokens long):
-    tokens, the behaviour logprob of each sampled token, and the experts every position used."""
-
-    @jax.jit
-    def sample(params, model_state, prompts, key):
-        model = nnx.merge(graphdef, params, model_state)
-        n, total = prompts.shape[0], prompt_len + gen
-        ids = jnp.zeros((n, total), jnp.int32).at[:, :prompt_len].set(prompts)
-
-        def body(t, carry):
-            ids, logps, key = carry
-            logits = jax.lax.dynamic_index_in_dim(model(ids, return_mtp=False).logits, t - 1, 1, False)
-            key, sub = jax.random.split(key)
-            tok = jax.random.categorical(sub, logits)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)[:, 0]
-            return ids.at[:, t].set(tok), logps.at[:, t].set(logp), key
-
-        ids, logps, _ = jax.lax.fori_loop(prompt_len, total, body, (ids, jnp.zeros((n, total)), key))
-        return ids, logps, model(ids, return_mtp=False).expert_ids
-
-    return sample
-
-
-def rl_batch(ids, logps, experts, advantages, prompt_len: int, version: int) -> RLBatch:
-    n, total = ids.shape
-    loss_mask = np.zeros((n, total), bool)
-    loss_mask[:, prompt_len - 1:total - 1] = True  # position t predicts the sampled token t + 1
-    return RLBatch(
-        input_ids=ids, targets=np.concatenate([ids[:, 1:], np.zeros((n, 1), ids.dtype)], 1), loss_mask=loss_mask,
-        positions=np.broadcast_to(np.arange(total), (n, total)).astype(np.int32),
-        segment_ids=np.ones((n, total), np.int32),
-        sequence_ids=np.broadcast_to(np.arange(n)[:, None], (n, total)).astype(np.int32),
-        advantages=np.where(loss_mask, advantages[:, None], 0.0).astype(np.float32),
-        behavior_logprobs=np.concatenate([logps[:, 1:], np.zeros((n, 1))], 1).astype(np.float32),
-        policy_versions=np.full((n, total), version, np.int32), replay_ids=replay_from_model(experts))
 
 
 def train(raw: dict, std_normalize: bool, seed: int) -> dict:
@@ -83,7 +44,7 @@ def train(raw: dict, std_normalize: bool, seed: int) -> dict:
     graphdef, state = init_rl_state(init(cfg, seed), tx, rl_cfg)
     # one compiled step and sampler per arm: the graph is the same for every seed
     if std_normalize not in _COMPILED:
-        _COMPILED[std_normalize] = make_rl_step(graphdef, tx, rl_cfg), make_sampler(graphdef, p, gen)
+        _COMPILED[std_normalize] = make_rl_step(graphdef, tx, rl_cfg), make_full_forward_sampler(graphdef, p, gen)
     step, sample = _COMPILED[std_normalize]
     key = jax.random.key(seed)
     noise = np.random.default_rng(seed)
@@ -98,7 +59,7 @@ def train(raw: dict, std_normalize: bool, seed: int) -> dict:
         flat = correct.max(-1) == correct.min(-1)  # no correctness signal in the group
         correctness.append(float(correct.mean()))
         noise_adv.append(float(np.abs(adv[flat]).mean()) if flat.any() else None)
-        batch = rl_batch(ids, logps, experts, adv.reshape(-1), p, it)
+        batch = single_turn_batch(ids, logps, experts, adv.reshape(-1), p, it)
         state, _ = step(state, jax.tree.map(jnp.asarray, batch))
     return {"std_normalize": std_normalize, "seed": seed, "correctness": correctness,
             "noise_group_abs_advantage": noise_adv}
