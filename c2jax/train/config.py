@@ -63,7 +63,7 @@ class PhaseConfig:
     data: str | None = None  # YAML file of a DataConfig to use in this phase (e.g. SFT data)
     loss_mask: Literal["all", "completion"] | None = None  # None: the data config's
     train_mtp: bool | None = None  # None: train MTP iff step >= mtp_init_step
-    reset_optimizer: bool = False
+    reset_optimizer: bool = False  # fresh optimizer moments when the phase starts (the LR schedule continues)
 
     def __post_init__(self):
         if self.steps <= 0 or self.grad_accum <= 0 or self.seq_len < 0 or self.batch_size < 0:
@@ -83,6 +83,7 @@ class EvalConfig:
     every: int = 100
     batches: int = 4  # batches per source per eval
     codebase: str | None = None  # directory of code for the rolling-window NLL metric
+    codebase_languages: tuple[str, ...] = ()  # c2jax.data.source_tree language tags; empty: all known
     codebase_window: int = 256
     codebase_max_tokens: int = 65536
 

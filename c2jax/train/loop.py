@@ -6,7 +6,9 @@ dicts with Grain-style `get_state()` / `set_state()`; by default it is built by 
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from c2jax.mesh import activation_rules, batch_spec
@@ -23,7 +26,7 @@ from c2jax.train.evaluate import codebase_nll, eval_loss, make_eval_step, read_c
 from c2jax.train.metrics import MetricsWriter, device_peak_flops, measure_peak_flops
 from c2jax.train.optim import make_optimizer
 from c2jax.train.step import TrainState, init_train_state, make_train_step
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.flops import training_flops_per_token
 from models.transformer import Transformer, init
 
@@ -83,17 +86,70 @@ def _under_mtp(path) -> bool:
     return any(getattr(k, "key", None) == "mtp" for k in path)
 
 
+def reset_moments(opt_state, fresh_opt_state):
+    """A fresh optimizer state (zero moments, bias-correction counts at 0) that keeps the LR schedule's
+    step counters, so the schedule continues across the reset instead of warming up again."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree.map(lambda new, old: old if is_schedule(new) else new, fresh_opt_state, opt_state,
+                        is_leaf=is_schedule)
+
+
+# ModelConfig fields a run decides even when the architecture comes from a Hugging Face checkpoint
+_EXECUTION_FIELDS = ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_dtype")
+
+
+def load_hf_for_pretraining(path: str | Path, run_model: ModelConfig, seed: int) -> Transformer:
+    """A model for continued pretraining from a DeepseekV3-format checkpoint (`models.hf.from_pretrained`).
+
+    The architecture is the checkpoint's (a warning lists the run's `model` fields it overrides); the
+    execution settings (`_EXECUTION_FIELDS`) are the run's. The MTP depth is the run's
+    `model.num_nextn_predict_layers`: MTP modules the checkpoint holds are loaded, modules it lacks are
+    freshly initialised (Composer 2 initialises MTP from scratch; `mtp_init_step` re-draws them anyway),
+    and with depth 0 checkpoint MTP tensors are dropped."""
+    from models import hf
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"init_from_hf: {path} has no config.json (expected a DeepseekV3-format checkpoint)")
+    want = run_model.num_nextn_predict_layers
+    overrides = {k: getattr(run_model, k) for k in _EXECUTION_FIELDS}
+    with warnings.catch_warnings():  # "config asks for MTP, checkpoint has none": handled below
+        warnings.filterwarnings("ignore", message=".*has no MTP tensors.*")
+        model = hf.from_pretrained(path, mtp="drop" if want == 0 else "auto", **overrides)
+    have = model.cfg.num_nextn_predict_layers
+    if have and have != want:
+        raise ConfigError(f"init_from_hf: the checkpoint holds {have} MTP module(s) but the run's "
+                          f"model.num_nextn_predict_layers is {want}; set it to {have} or 0")
+    ignore = set(_EXECUTION_FIELDS) | {"num_nextn_predict_layers"}
+    differ = sorted(f.name for f in dataclasses.fields(ModelConfig)
+                    if f.name not in ignore and getattr(run_model, f.name) != getattr(model.cfg, f.name))
+    if differ:
+        warnings.warn(f"init_from_hf: the model architecture comes from {path}; the run config's model "
+                      f"fields {differ} are replaced by the checkpoint's", stacklevel=2)
+    if want > have:  # fresh MTP modules around the loaded trunk
+        full = init(model.cfg.replace(num_nextn_predict_layers=want), seed=seed)
+        graphdef, state = nnx.split(full)
+        pure = nnx.to_pure_dict(state)
+        loaded = nnx.to_pure_dict(nnx.state(model))
+        pure.update({k: v for k, v in loaded.items() if k != "mtp"})
+        nnx.replace_by_pure_dict(state, pure)
+        model = nnx.merge(graphdef, state)
+    return model
+
+
 class Trainer:
     def __init__(self, cfg: PretrainConfig, batches: BatchSource = data_batches,
                  eval_sources: Callable[[PretrainConfig, PhaseConfig], Mapping] | None = data_eval_sources,
                  tensorboard: bool = True):
-        self.cfg, self.batches, self.eval_sources = cfg, batches, eval_sources
+        self.batches, self.eval_sources = batches, eval_sources
+        model = self._initial_model(cfg)
+        cfg = self.cfg = dataclasses.replace(cfg, model=model.cfg)  # the architecture actually trained
+        if batches is data_batches:
+            _check_vocab(cfg)
         self.run_dir = cfg.run_dir
         save_resolved(cfg, self.run_dir)
         self.writer = MetricsWriter(self.run_dir, tensorboard=tensorboard)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.total_steps)
-        model = self._initial_model()
         self.graphdef, state = init_train_state(model, self.tx, seed=cfg.seed)
         self.has_mtp = model.mtp is not None
         self.mesh = self.state_shardings = None
@@ -101,25 +157,29 @@ class Trainer:
             state = self._shard(state)
         self.state = state
         self.meta: dict[str, Any] = {"phase": 0, "data_state": None, "mtp_initialized": False,
-                                     "skipped_total": 0, "rollbacks": 0}
+                                     "optimizer_reset_phases": [], "skipped_total": 0, "rollbacks": 0}
         self._steps: dict[tuple, Callable] = {}
+        self._codebase_tokens: np.ndarray | None = None
         self.losses: list[float] = []
 
-    def _initial_model(self) -> Transformer:
-        cfg = self.cfg
+    @staticmethod
+    def _initial_model(cfg: PretrainConfig) -> Transformer:
         if cfg.init_from_hf:
-            from models import hf
-
-            return hf.from_pretrained(cfg.init_from_hf, mtp="auto", dtype=None, **{
-                k: getattr(cfg.model, k) for k in ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_dtype")})
+            return load_hf_for_pretraining(cfg.init_from_hf, cfg.model, cfg.seed)
         return init(cfg.model, seed=cfg.seed)
+
+    def _place(self, state: TrainState) -> TrainState:
+        """Put a state assembled on the host (fresh MTP or optimizer leaves) back onto the run's mesh."""
+        return state if self.state_shardings is None else jax.device_put(state, self.state_shardings)
 
     def _shard(self, state: TrainState) -> TrainState:
         from jax.sharding import NamedSharding, PartitionSpec
 
         from c2jax.mesh import make_mesh, param_rules, place_on_mesh, shard_state
 
-        self.mesh = make_mesh(self.cfg.mesh)
+        # one process may run on a subset of its devices (the first N); across processes the mesh spans all
+        devices = jax.devices()[:_mesh_devices(self.cfg)] if jax.process_count() == 1 else None
+        self.mesh = make_mesh(self.cfg.mesh, devices)
         rules = param_rules(self.cfg.mesh)
         params = shard_state(state.params, self.mesh, rules)
         model_state = shard_state(state.model_state, self.mesh, rules)
@@ -141,10 +201,10 @@ class Trainer:
 
     # -- pieces ------------------------------------------------------------------------------------
     def train_step(self, phase: PhaseConfig, train_mtp: bool):
-        key = (phase.name, train_mtp)
+        model_cfg = phase_model_config(self.cfg, phase)
+        key = (model_cfg, phase.grad_accum > 1, train_mtp)  # phases that differ only in shapes share one jit
         if key not in self._steps:
-            graphdef = nnx.split(nnx.eval_shape(lambda: init(phase_model_config(self.cfg, phase))),
-                                 nnx.Param, ...)[0]
+            graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg)), nnx.Param, ...)[0]
             loss = self.cfg.loss
             self._steps[key] = make_train_step(
                 graphdef, self.tx, loss.router_bias_rate, z_loss=loss.z_loss, mtp_weight=loss.mtp_weight,
@@ -158,7 +218,7 @@ class Trainer:
         if self.cfg.checkpoint.async_save and jax.default_backend() == "cpu":
             # on CPU, Orbax's "device to host" copy can alias the device buffer, which the next (donating)
             # step may overwrite while the background write is still running
-            state = jax.tree.map(jnp.copy, state)
+            state = _copy_tree(state)
         self.ckpt.save(int(self.state.step), state, dict(self.meta))
 
     def restore(self) -> bool:
@@ -178,11 +238,10 @@ class Trainer:
                 out[f"eval_loss/{name}"] = eval_loss(eval_step, self.state.params, self.state.model_state,
                                                      make(), cfg.eval.batches)
         if cfg.eval.codebase:
-            from c2jax.data.tokenizer import load_tokenizer
-
-            tok = load_tokenizer(cfg.data["tokenizer"])
-            tokens = read_codebase(cfg.eval.codebase, tok.encode, cfg.eval.codebase_max_tokens)
-            out.update(codebase_nll(eval_step, self.state.params, self.state.model_state, tokens,
+            if self._codebase_tokens is None:  # read and tokenized once per run
+                self._codebase_tokens = read_codebase(cfg.eval.codebase, _tokenizer(cfg).encode,
+                                                      cfg.eval.codebase_max_tokens, cfg.eval.codebase_languages)
+            out.update(codebase_nll(eval_step, self.state.params, self.state.model_state, self._codebase_tokens,
                                     cfg.eval.codebase_window))
         return out
 
@@ -216,8 +275,12 @@ class Trainer:
                     it.set_state(self.meta["data_state"])
                 self.meta["phase"], it_phase = index, index
             if self.has_mtp and step >= cfg.mtp_init_step and not self.meta["mtp_initialized"]:
-                self.state = reinit_mtp(self.state, self.tx, phase_model_config(cfg, phase), cfg.seed)
+                self.state = self._place(reinit_mtp(self.state, self.tx, phase_model_config(cfg, phase), cfg.seed))
                 self.meta["mtp_initialized"] = True
+            if phase.reset_optimizer and index not in self.meta["optimizer_reset_phases"]:
+                fresh = jax.jit(self.tx.init)(self.state.params)
+                self.state = self._place(self.state._replace(opt_state=reset_moments(self.state.opt_state, fresh)))
+                self.meta["optimizer_reset_phases"] = [*self.meta["optimizer_reset_phases"], index]
             train_mtp = self.has_mtp and (phase.train_mtp if phase.train_mtp is not None
                                           else self.meta["mtp_initialized"])
             batch = _stack([next(it) for _ in range(phase.grad_accum)])
@@ -227,10 +290,10 @@ class Trainer:
             bad = bad + 1 if skipped else 0
             self.meta["skipped_total"] += skipped
             if bad >= cfg.max_bad_steps:
-                data_state = self.meta["data_state"]
-                if self.restore():  # keep the data position: do not replay the batches that blew up
-                    self.meta["data_state"] = data_state
-                    self.meta["rollbacks"] += 1
+                # keep the data position (do not replay the batches that blew up) and the counters
+                kept = {k: self.meta[k] for k in ("data_state", "skipped_total", "rollbacks")}
+                if self.restore():
+                    self.meta.update(kept, rollbacks=kept["rollbacks"] + 1)
                 bad, step = 0, int(self.state.step)
                 continue
             step = int(self.state.step) if not skipped else step + 1
@@ -250,7 +313,7 @@ class Trainer:
                 host["mfu"] = host["tokens_per_s"] * flops_token[seq] / peak
                 self.writer.write(step, host)
                 last = now
-            if cfg.eval.every and step % cfg.eval.every == 0 and self.eval_sources is not None:
+            if cfg.eval.every and step % cfg.eval.every == 0 and (self.eval_sources is not None or cfg.eval.codebase):
                 self.writer.write(step, self.evaluate(phase), kind="eval")
             if step % cfg.checkpoint.every == 0 or step == cfg.total_steps:
                 self.save()
@@ -265,14 +328,45 @@ class Trainer:
         return {"step": step, "losses": self.losses, "meta": self.meta}
 
     def export_hf(self, path: Path) -> None:
+        """Write the current weights as a DeepseekV3-format checkpoint (`models.hf.save_pretrained`), with
+        the model config of the last phase (e.g. its RoPE scaling)."""
         from models import hf
 
-        model = nnx.merge(self.graphdef, self.state.params, self.state.model_state)
-        hf.save_pretrained(model, path)
+        model_cfg = phase_model_config(self.cfg, self.cfg.phases[-1])
+        graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg)), nnx.Param, ...)[0]
+        hf.save_pretrained(nnx.merge(graphdef, self.state.params, self.state.model_state), path)
 
     def close(self) -> None:
         self.ckpt.close()
         self.writer.close()
+
+
+@jax.jit
+def _copy_tree(tree):
+    return jax.tree.map(jnp.copy, tree)  # one compiled program, not one dispatch per leaf
+
+
+def _tokenizer(cfg: PretrainConfig):
+    from c2jax.config import from_dict
+    from c2jax.data.config import DataConfig
+    from c2jax.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(from_dict(DataConfig, dict(cfg.data), "data").tokenizer)
+
+
+def _check_vocab(cfg: PretrainConfig) -> None:
+    """Token ids at or above the model's vocab_size would index past the embedding table silently."""
+    from c2jax.config import from_dict, load_yaml
+    from c2jax.data.config import DataConfig
+    from c2jax.data.tokenizer import load_tokenizer
+
+    datas = [("data", dict(cfg.data))] + [(f"phases.{p.name}.data", dict(load_yaml(p.data)))
+                                           for p in cfg.phases if p.data]
+    for where, data in datas:
+        tok = load_tokenizer(from_dict(DataConfig, data, where).tokenizer)
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"{where}.tokenizer: {tok!r} has {tok.vocab_size} token ids but "
+                              f"model.vocab_size is {cfg.model.vocab_size}")
 
 
 def _mesh_devices(cfg: PretrainConfig) -> int:

@@ -1,7 +1,7 @@
 """Tokens/s and MFU of the full pretraining loop (c2jax.data pipeline included) for a model preset,
 beside the data pipeline alone, which must run at >= 10x the model's token rate.
 
-    .venv/bin/python experiments/bench/pretrain_throughput.py [--preset small --steps 20 --seq 512 --batch 8]
+    .venv/bin/python -m experiments.bench.pretrain_throughput [--preset small --steps 20 --seq 512 --batch 8]
 
 Prints a table and writes runs/bench/pretrain_throughput.json. MFU uses models.flops
 training_flops_per_token over the device's datasheet bf16 peak, or on CPU the measured matmul peak.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -71,6 +72,7 @@ def main(argv=None):
         "device": jax.devices()[0].device_kind, "loop_tokens_per_s": loop_tps, "mfu": mfu,
         "warmup_s": compile_s, "data_tokens_per_s": data_tps, "data_over_model": data_tps / loop_tps,
         "final_loss": rows[-1]["loss"],
+        "cpu_count": os.cpu_count(), "load_avg_1_5_15_end": os.getloadavg(),  # shared machines: context
     }
     print(f"| {'measure':<34} | {'value':>12} |\n|{'-' * 36}|{'-' * 14}|")
     for name, key, fmt in [("train loop tokens/s (data incl.)", "loop_tokens_per_s", "{:12.0f}"),
