@@ -189,8 +189,13 @@ def _metrics(state, batch, mask, aux, losses, grads, denom):
     }
     metrics.update(logprob_mismatch(aux["logp"], batch.behavior_logprobs, mask))
     if batch.replay_ids is not None and aux.get("used_ids") is not None:
+        # a sequence's last token feeds no loss (nothing after it attends to it) and the sampler never ran
+        # it as an input, so it has no recorded experts: leave it out
+        real = batch.sequence_ids >= 0
+        feeds_next = jnp.concatenate(
+            [(batch.sequence_ids[:, 1:] == batch.sequence_ids[:, :-1]) & real[:, 1:], jnp.zeros_like(real[:, :1])], 1)
         metrics["replay/override_fraction"] = replay_override_fraction(aux["used_ids"], batch.replay_ids,
-                                                                       batch.sequence_ids >= 0)
+                                                                       real & feeds_next)
     if batch.group_rewards is not None:
         metrics["zero_variance_group_fraction"] = zero_variance_fraction(batch.group_rewards)
     return metrics

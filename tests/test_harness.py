@@ -216,6 +216,7 @@ class Generation:
     policy_versions: list
     expert_ids: np.ndarray | None
     finish_reason: str
+    prompt_expert_ids: np.ndarray | None = None
 
 
 class FakePolicy:
@@ -247,8 +248,13 @@ class FakePolicy:
         if len(ids) > max_new_tokens:
             ids, finish = ids[:max_new_tokens], "length"
         n, version = len(ids), len(self.outputs)
-        out = Generation(ids, [-0.5 - 0.01 * i for i in range(n)], [version] * n,
-                         np.full((n, 2, 3), version, dtype=np.int32), finish)
+        # experts tagged by (turn, position) so a test can tell which forward pass a replay row came from:
+        # prompt token i -> 10_000 (turn + 1) + i; the pass producing sampled token j -> -(10_000 (turn + 1) + j)
+        tag = 10_000 * (version + 1)
+        prompt_experts = np.broadcast_to((tag + np.arange(len(prompt_ids)))[:, None, None], (len(prompt_ids), 2, 3))
+        experts = np.broadcast_to((tag + np.arange(n))[:, None, None], (n, 2, 3))
+        out = Generation(ids, [-0.5 - 0.01 * i for i in range(n)], [version] * n, experts.astype(np.int32), finish,
+                         prompt_experts.astype(np.int32))
         self.outputs.append(out)
         return out
 
@@ -411,6 +417,47 @@ def test_model_token_budget(sandbox, tokenizer):
     n = len(json.dumps({"name": "list_dir", "arguments": {}})) + 3  # one token a character + 3 specials
     assert [len(g.token_ids) for g in policy.outputs] == [n, 60 - n]  # the last turn gets what is left
     assert policy.outputs[-1].finish_reason == "length" and traj.num_model_tokens == 60
+
+
+def test_replay_record_aligns_sampler_experts_with_every_token(sandbox, tokenizer, tmp_path):
+    """Router replay: token t's row holds the experts the sampler used running t as an input. Prompt tokens
+    come from the first turn's prefill, sampled token j of a turn from the decode pass that produced
+    token j + 1, and the turn's last sampled token plus the environment tokens after it (tool output,
+    headers) from the next turn's prefill; what the sampler never ran (after the last turn) is -1."""
+    from rl.harness.replay import UNSEEN, learner_replay_ids
+
+    texts = [tc("read_file", path="calc.py"), tc("grep", pattern="return"), "Done." + tc("submit", message="ok")]
+    policy = FakePolicy(tokenizer, texts)
+    traj = run_episode(SamplerAgent(policy, ChatRenderer(tokenizer)), sandbox, EpisodeTask("t", "Fix add."),
+                       default_registry(), EpisodeConfig(max_context_tokens=8192))
+    (seg,) = traj.segments
+    rec = seg.replay_ids
+    assert rec.shape == (len(seg.token_ids), 2, 3) and rec.dtype == np.int32
+    expected = np.full(len(seg.token_ids), UNSEEN)
+    p0 = len(policy.prompts[0])
+    expected[:p0] = policy.outputs[0].prompt_expert_ids[:, 0, 0]  # turn 0's prefill
+    for k, (prompt, out) in enumerate(zip(policy.prompts, policy.outputs)):
+        p, n = len(prompt), len(out.token_ids)
+        expected[p:p + n - 1] = out.expert_ids[1:, 0, 0]  # sampled token j -> the pass producing j + 1
+        if k + 1 < len(policy.prompts):  # the last sampled token and the tool output: next turn's prefill
+            nxt = len(policy.prompts[k + 1])
+            expected[p + n - 1:nxt] = policy.outputs[k + 1].prompt_expert_ids[p + n - 1:nxt, 0, 0]
+            assert 10_000 * (k + 2) + p + n - 1 == expected[p + n - 1]
+    np.testing.assert_array_equal(rec[:, 0, 0], expected)
+    assert (rec == rec[:, :1, :1]).all()
+    last_sampled = int(np.flatnonzero(seg.loss_mask)[-1])
+    assert (rec[:last_sampled] >= 0).all() and (rec[last_sampled:] == UNSEEN).all()
+    for_learner = learner_replay_ids(rec, seg.loss_mask)  # the unseen tail repeats the last recorded row
+    assert (for_learner[last_sampled:] == rec[last_sampled - 1]).all()
+    np.testing.assert_array_equal(for_learner[:last_sampled], rec[:last_sampled])
+    with pytest.raises(ValueError, match="precedes a sampled token"):
+        learner_replay_ids(np.where(np.arange(len(rec))[:, None, None] == 5, UNSEEN, rec), seg.loss_mask)
+    with TrajectoryWriter(tmp_path / "t.jsonl") as w:
+        w.write(traj)
+    (back,) = read_trajectories(tmp_path / "t.jsonl")
+    np.testing.assert_array_equal(back.segments[0].replay_ids, rec)
+    traj.reward = 1.0
+    np.testing.assert_array_equal(traj.training_samples()[0].replay_ids, rec)
 
 
 def test_sampler_trajectory_round_trips_expert_ids(sandbox, tokenizer, tmp_path):

@@ -136,6 +136,20 @@ def test_group_store_resumes_untrained_and_uncheckpointed_groups(tmp_path):
     assert pending[0].rollouts[0].sequences[0]["policy_versions"] == [-1, 1, 1]
 
 
+def test_online_eval_uses_the_canonical_estimators():
+    """avg@1 = mean c/n, pass@K, best-of-K with the model-confidence selector (rl.eval.metrics)."""
+    from rl.system.actors import eval_scores
+
+    rewards = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+    scores = [[-2.0, -1.0], [-1.0, -1.0], [-3.0, -0.5]]  # prompt 0: the selector picks the failed sample
+    got = eval_scores(rewards, scores, 2, success_threshold=1.0)
+    assert got["avg@1"] == pytest.approx(0.5) and got["pass@2"] == pytest.approx(2 / 3)
+    assert got["best_of_2"] == pytest.approx(1 / 3) and got["reward/mean"] == pytest.approx(0.5)
+    assert eval_scores([[0.5, 0.25]], [[0.0, 0.0]], 2, success_threshold=0.5)["avg@1"] == 0.5
+    with pytest.raises(ValueError, match="prompts, 3"):
+        eval_scores(rewards, scores, 3, 1.0)
+
+
 # --------------------------------------------------------------------------------------- runs on Ray
 @pytest.fixture(scope="module")
 def ray_local():
@@ -154,13 +168,22 @@ def _accounted(out):
     return made, settled
 
 
-def test_async_run_bounds_staleness_syncs_weights_and_evaluates(ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def async_run(ray_local, tmp_path_factory):
+    """One async run with the fake backends, shared: its properties are checked by one test and its run
+    directory is resumed by another (each run_system starts fresh actor processes: seconds each)."""
     from c2jax.train.metrics import read_metrics
     from rl.system.reconciler import run_system
 
-    cfg = _cfg(tmp_path, "async", "system.steps=6", "system.max_staleness=1", "eval.every=3", "eval.k=2",
-               "env.eval_prompts=2", "env.delay_s=0.02", "weight_sync.full_every=4")
+    cfg = _cfg(tmp_path_factory.mktemp("async"), "async", "system.steps=6", "system.max_staleness=1", "eval.every=3",
+               "eval.k=2", "env.eval_prompts=2", "env.delay_s=0.02", "weight_sync.full_every=4", "checkpoint.every=1")
     out = run_system(cfg)
+    return {"cfg": cfg, "out": out, "rows": read_metrics(cfg.run_dir),
+            "eval_rows": read_metrics(cfg.run_dir, kind="eval")}
+
+
+def test_async_run_bounds_staleness_syncs_weights_and_evaluates(async_run):
+    cfg, out = async_run["cfg"], async_run["out"]
     assert out["steps"] == 6 and out["version"] == 6
     for row in out["history"]:  # every trained token's version >= learner version - max_staleness
         assert row["staleness/max"] <= 1 and row["staleness/batch_max"] <= 1
@@ -175,16 +198,16 @@ def test_async_run_bounds_staleness_syncs_weights_and_evaluates(ray_local, tmp_p
     assert all(r["sync/identical_fraction"] > 0.5 and r["sync/bytes"] < 0.5 * r["sync/raw_bytes"]
                for r, f in zip(out["history"], fulls) if not f)
     assert {r["step"] for r in out["eval"]} >= {3, 6} and all("best_of_2" in r for r in out["eval"])
-    rows = read_metrics(cfg.run_dir)
+    rows = async_run["rows"]
     assert len(rows) == 6 and "sync/bytes" in rows[0] and (cfg.run_dir / "config.yaml").exists()
-    assert len(read_metrics(cfg.run_dir, kind="eval")) >= 2
+    assert len(async_run["eval_rows"]) >= 2
 
 
 def test_sync_mode_trains_on_policy(ray_local, tmp_path):
     from rl.system.reconciler import run_system
 
-    out = run_system(_cfg(tmp_path, "sync", "system.mode=sync", "system.steps=3"))
-    assert out["version"] == 3
+    out = run_system(_cfg(tmp_path, "sync", "system.mode=sync", "system.steps=2", "system.num_rollout_workers=1"))
+    assert out["version"] == 2
     assert all(r["staleness/max"] == 0 and r["staleness/batch_max"] == 0 for r in out["history"])
 
 
@@ -199,34 +222,35 @@ def test_killed_rollout_and_env_workers_lose_no_episode(ray_local, tmp_path):
             ray_local.kill(rec.workers[0], no_restart=False)
             ray_local.kill(rec.env_workers[0], no_restart=False)
 
-    cfg = _cfg(tmp_path, "faults", "system.steps=4", "env.delay_s=0.15", "system.max_staleness=2",
+    cfg = _cfg(tmp_path, "faults", "system.steps=3", "env.delay_s=0.15", "system.max_staleness=2",
                "system.call_timeout_s=30")
     out = run_system(cfg, on_step=on_step)
     c = out["counts"]
-    assert out["version"] == 4
+    assert out["version"] == 3
     assert c.get("groups_retried", 0) + c.get("episodes_retried", 0) + c.get("groups_lost", 0) >= 1, c
     made, settled = _accounted(out)
     assert made == settled, (c, out["inflight_at_end"], out["retry_at_end"])
     info = out["worker_info"][0]
     assert info["incarnation"] != killed["before"]  # restarted by Ray ...
-    assert out["worker_synced_versions"][0] == 4  # ... and re-synced to the current weights
+    assert out["worker_synced_versions"][0] == 3  # ... and re-synced to the current weights
 
 
-def test_resume_from_persisted_groups_and_learner_checkpoint(ray_local, tmp_path):
+def test_resume_from_persisted_groups_and_learner_checkpoint(async_run):
+    """The async run above checkpointed every step; resuming its run directory restores the learner at
+    version 6 and trains the persisted groups it had not trained (or drops them as stale)."""
     from rl.system.reconciler import run_system
     from rl.system.store import GroupStore
 
-    base = ["checkpoint.every=1", "system.max_staleness=3", "env.delay_s=0.01", "system.num_rollout_workers=1"]
-    first = run_system(_cfg(tmp_path, "resume", "system.steps=2", *base))
-    assert first["version"] == 2
-    pending = GroupStore(tmp_path / "resume").pending(2)
-    second = run_system(_cfg(tmp_path, "resume", "system.steps=3", "resume=true", *base))
-    assert second["start_version"] == 2 and second["version"] == 3
+    run_dir = async_run["cfg"].run_dir
+    pending = GroupStore(run_dir).pending(6)
+    second = run_system(_cfg(run_dir.parent, "async", "system.steps=7", "resume=true", "checkpoint.every=1",
+                             "system.max_staleness=3", "env.delay_s=0.01", "system.num_rollout_workers=1"))
+    assert second["start_version"] == 6 and second["version"] == 7
     assert second["counts"].get("groups_resumed", 0) == len(pending)
-    left = {g.group_id for g in GroupStore(tmp_path / "resume").pending(3)}
+    left = {g.group_id for g in GroupStore(run_dir).pending(7)}
     trained_first = sorted({g.group_id for g in pending} - left)  # resumed groups are trained (or dropped stale)
     assert len(trained_first) + second["counts"].get("groups_dropped_stale", 0) >= min(len(pending), 2)
-    assert second["history"][0]["step"] == 3  # the pipeline resumed at the checkpointed version
+    assert second["history"][0]["step"] == 7  # the pipeline resumed at the checkpointed version
 
 
 TINY = ["model.preset=tiny", "model.vocab_size=16", "model.num_hidden_layers=2", "model.num_nextn_predict_layers=0",
@@ -239,15 +263,134 @@ TINY = ["model.preset=tiny", "model.vocab_size=16", "model.num_hidden_layers=2",
 
 def test_real_learner_and_engine_run_async(ray_local, tmp_path):
     """The tiny MoE model end to end: InferenceEngine samplers with in-flight swaps, rl_step on the learner
-    actor, Orbax checkpoints. (Reward rising is shown by `c2jax rl` on rl_small.yaml, see docs.)"""
+    actor with router replay (on by default for MoE), Orbax checkpoints. Step 1 trains version-0 tokens on
+    version-0 weights: replaying the sampler's experts, the learner reproduces its logprobs, and the
+    plausibility filter fires at most on each sequence's final token (which the sampler never ran as an
+    input: 1 of the 6 positions). (Reward rising is shown by `c2jax rl` on rl_small.yaml, see docs.)"""
     from rl.system.reconciler import run_system
 
-    cfg = load_system_config(None, [*TINY, f"output_dir={tmp_path}", "name=tiny", "system.steps=2"])
+    cfg = load_system_config(None, [*TINY, f"output_dir={tmp_path}", "name=tiny", "system.steps=2",
+                                    "system.group_size=4", "system.groups_per_step=2",
+                                    "model.router_replay_filter_ratio=0.9"])
+    assert cfg.router_replay
     out = run_system(cfg)
     assert out["version"] == 2 and out["worker_synced_versions"] == [2]
     for row in out["history"]:
-        assert row["staleness/max"] <= 1 and row["tokens_trained"] == 4 * 8 * 4
+        assert row["staleness/max"] <= 1 and row["tokens_trained"] == 2 * 4 * 4
         assert np.isfinite(row["loss"]) and row["sync/bytes"] > 0
+        assert 0.0 <= row["replay/override_fraction"] <= 1 / 6
+    first = out["history"][0]
+    assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
+    assert first["replay/override_fraction"] == 0.0  # the first batch was sampled with the learner's weights
     assert (cfg.run_dir / "checkpoints" / "2").is_dir()
     last = out["history"][-1]
     assert last["sync/full"] == 0.0 and last["sync/bytes"] < last["sync/raw_bytes"]
+
+
+def test_router_replay_switch():
+    base = ["model.preset=tiny", "model.num_hidden_layers=2"]
+    assert load_system_config(None, base).router_replay  # on by default for an MoE model
+    assert not load_system_config(None, [*base, "system.router_replay=false"]).router_replay
+    assert not load_system_config(None, [*base, "model.num_hidden_layers=1"]).router_replay  # dense only
+    assert not load_system_config(None, FAKE).router_replay  # the fakes have no experts
+
+
+# ------------------------------------------------------------------------------------------ init_from
+def test_learner_starts_from_init_from_and_rejects_missing_or_incompatible_checkpoints(tmp_path):
+    """`init_from` (an HF directory here): the learner's weights, hence the version-0 packet every sampler
+    loads, are the checkpoint's; a missing, non-checkpoint or architecturally different path is a
+    ConfigError naming the problem."""
+    import dataclasses
+
+    from flax import nnx
+
+    from models import hf
+    from models.config import ConfigError
+    from models.transformer import init
+    from rl.system.backends import RLLearner, check_init_from, flatten_weights
+
+    cfg = load_system_config(None, [*TINY, f"output_dir={tmp_path}", "name=init"])
+    source = init(cfg.model, seed=123)
+    hf.save_pretrained(source, tmp_path / "hf")
+    want = flatten_weights(*nnx.split(source, nnx.Param, ...)[1:])
+    got = RLLearner(dataclasses.replace(cfg, init_from=str(tmp_path / "hf")), tmp_path / "a").weights()
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    fresh = RLLearner(cfg, tmp_path / "b").weights()
+    assert not all(np.array_equal(fresh[k], want[k]) for k in want)
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_init_from(dataclasses.replace(cfg, init_from=str(tmp_path / "missing")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="neither a Hugging Face"):
+        check_init_from(dataclasses.replace(cfg, init_from=str(tmp_path / "empty")))
+    wider = cfg.model.replace(hidden_size=2 * cfg.model.hidden_size)
+    with pytest.raises(ConfigError, match="hidden_size"):
+        RLLearner(dataclasses.replace(cfg, model=wider, init_from=str(tmp_path / "hf")), tmp_path / "c")
+
+
+# ------------------------------------------------------------------------------------------ router replay
+def test_router_replay_of_a_multi_turn_episode_reproduces_the_sampler_in_the_learner(tmp_path):
+    """A real InferenceEngine drives a 3-turn SamplerAgent episode (environment text between turns); the
+    harness records the sampler's experts for every token, the system packs them, and the learner's
+    rl_step, replaying them under the plausibility filter on the same weights, overrides none and
+    reproduces the sampler's logprobs. Misaligned by one token, the filter fires; with replay off the
+    batch carries none."""
+    import jax
+
+    from models.config import preset
+    from models.inference.engine import EngineConfig, InferenceEngine
+    from models.transformer import init
+    from rl.config import AdvantageConfig, RLConfig
+    from rl.harness import ChatRenderer, EpisodeConfig, EpisodeTask, SamplerAgent, ToolRegistry, run_episode
+    from rl.harness.replay import UNSEEN
+    from rl.learner import init_rl_state, make_optimizer, make_rl_step
+    from rl.sandbox import LocalSandbox
+    from rl.system.envs import byte_tokenizer
+    from rl.system.groups import sequence
+
+    mcfg = preset("tiny").replace(vocab_size=264, num_hidden_layers=2, num_nextn_predict_layers=0, moe_impl="dense",
+                                  n_group=1, topk_group=1, router_replay_filter_ratio=0.9)
+    model = init(mcfg, 0)
+    renderer = ChatRenderer(byte_tokenizer())
+    engine = InferenceEngine.from_model(model, config=EngineConfig(slots=2, max_len=256, chunk_steps=4,
+                                                                   key_bucket=128, min_prompt_bucket=64))
+    agent = SamplerAgent(engine, renderer)
+    agent.tools_in_system_prompt = False  # no tools: a short prompt
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "a.txt").write_text("a\n")
+    with LocalSandbox(tmp_path / "repo", allow_unisolated=True) as sandbox:
+        traj = run_episode(agent, sandbox, EpisodeTask("t", "Hi."), ToolRegistry([]),
+                           EpisodeConfig(max_turns=3, max_new_tokens_per_turn=5, max_context_tokens=256,
+                                         end_on_no_tool_calls=False, system_instructions="Go."), seed=3)
+    assert traj.error is None and traj.num_turns == 3, traj.error
+    (seg,) = traj.segments
+    mask = np.asarray(seg.loss_mask, bool)
+    last_sampled = int(np.flatnonzero(mask)[-1])
+    assert seg.replay_ids.shape == (len(seg.token_ids), mcfg.num_moe_layers, mcfg.num_experts_per_tok)
+    assert (seg.replay_ids[:last_sampled] != UNSEEN).all() and (seg.replay_ids[last_sampled:] == UNSEEN).all()
+
+    def group(replay_ids):
+        rollout = Rollout([sequence(seg.token_ids, seg.loss_mask, seg.logprobs, seg.policy_versions, replay_ids)],
+                          1.0)
+        return Group("g", "t", [rollout, Rollout([{**rollout.sequences[0]}], 0.0)]).with_advantages(AdvantageConfig())
+
+    rcfg = RLConfig()
+    tx = make_optimizer(rcfg)
+    graphdef, state = init_rl_state(init(mcfg, 0), tx, rcfg)
+    step = make_rl_step(graphdef, tx, rcfg)
+    batch = build_batch([group(seg.replay_ids)], seq_len=256, min_rows=2, replay=True)
+    assert (batch.sequence_ids >= 0).sum() == 2 * (last_sampled + 1)  # each sequence ends at its last sampled token
+    assert (batch.replay_ids[batch.loss_mask] >= 0).all()  # every loss position replays the sampler's experts
+    np.testing.assert_array_equal(batch.replay_ids[0, :last_sampled], seg.replay_ids[:last_sampled])
+    shifted = seg.replay_ids.copy()
+    shifted[1:last_sampled] = seg.replay_ids[:last_sampled - 1]  # token t gets token t-1's experts
+    wrong = build_batch([group(shifted)], seq_len=256, min_rows=2, replay=True)
+    assert build_batch([group(seg.replay_ids)], seq_len=256, min_rows=2, replay=False).replay_ids is None
+    state_copy = jax.tree.map(np.asarray, state)
+    _, m = step(state, batch)
+    _, m_wrong = step(jax.tree.map(jax.numpy.asarray, state_copy), wrong)
+    # same weights: the filter overrides nothing the sampler ran (the metric leaves out each sequence's final
+    # token, which the sampler never ran as an input and which feeds no loss)
+    assert float(m["replay/override_fraction"]) == 0.0
+    assert float(m["mismatch/abs_p99"]) < 1e-4, float(m["mismatch/abs_p99"])
+    assert float(m_wrong["replay/override_fraction"]) > 0.05

@@ -6,6 +6,12 @@ InferenceEngine samplers and rl_step learner on local Ray; `env.delay_s` emulate
     python experiments/bench/rl_throughput.py [--steps 8] [--delay 0.05] [key=value ...]
 
 Prints a table and writes runs/bench/rl_throughput.json.
+
+    python experiments/bench/rl_throughput.py --group-episodes G [--turns 3]
+
+instead times one agentic group on a rollout worker's sampler (EnginePolicy, the tiny model over the
+byte tokenizer, harness episodes without tools in a local sandbox): its G episodes one after another,
+then concurrently (one thread each, sharing the engine's slots), as RolloutWorker runs them.
 """
 
 from __future__ import annotations
@@ -51,6 +57,60 @@ def measure(mode: str, steps: int, delay: float, staleness: int, out_dir: Path, 
             "sync_kib_per_step": float(np.mean([r["sync/bytes"] for r in warm]) / 1024)}
 
 
+def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl.harness import ChatRenderer, EpisodeConfig, EpisodeTask, SamplerAgent, ToolRegistry, run_episode
+    from rl.sandbox import LocalSandbox
+    from rl.system.actors import _TokenPolicy
+    from rl.system.backends import EnginePolicy, flatten_weights
+    from rl.system.config import load_system_config
+    from rl.system.envs import byte_tokenizer
+
+    cfg = load_system_config(None, ["model.preset=tiny", "model.vocab_size=264", "model.num_nextn_predict_layers=0",
+                                    "model.moe_impl=dense", f"engine.slots={max(group, 2)}", "engine.max_len=512",
+                                    "engine.chunk_steps=8", "engine.key_bucket=128", "engine.min_prompt_bucket=64"])
+    renderer = ChatRenderer(byte_tokenizer())
+    backend = EnginePolicy(cfg, renderer.decode)
+    from flax import nnx
+
+    from models.transformer import init
+    backend.load(flatten_weights(*nnx.split(init(cfg.model, 0), nnx.Param, ...)[1:]), 0)
+    policy = _TokenPolicy(backend, lambda: None)
+    ecfg = EpisodeConfig(max_turns=turns, max_new_tokens_per_turn=32, max_context_tokens=512,
+                         end_on_no_tool_calls=False, system_instructions="You are a coding agent. " * 4)
+    repo = Path(tempfile.mkdtemp()) / "repo"
+    repo.mkdir()
+    (repo / "a.txt").write_text("a\n")
+
+    def episode(i):
+        agent = SamplerAgent(policy, renderer)
+        agent.tools_in_system_prompt = False
+        with LocalSandbox(repo, allow_unisolated=True) as sb:
+            return run_episode(agent, sb, EpisodeTask("t", "Fix the bug in a.txt."), ToolRegistry([]), ecfg,
+                               seed=i).num_model_tokens
+
+    def sequential():
+        return sum(episode(i) for i in range(group))
+
+    def concurrent():
+        with ThreadPoolExecutor(group) as pool:
+            return sum(pool.map(episode, range(group)))
+
+    sequential(), concurrent()  # compile every prompt bucket and the decode chunk
+    out = {"group": group, "turns": turns}
+    for name, fn in (("sequential", sequential), ("concurrent", concurrent)):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            tokens = fn()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_s"], out[f"{name}_tokens"] = min(times), tokens
+    out["speedup"] = out["sequential_s"] / out["concurrent_s"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=14)
@@ -59,8 +119,17 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--group-episodes", type=int, default=0, help="time one agentic group of G episodes instead")
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.group_episodes:
+        res = measure_group(args.group_episodes, args.turns)
+        res["loadavg"] = __import__("os").getloadavg()
+        print(json.dumps(res, indent=1))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "rl_group_concurrency.json").write_text(json.dumps(res, indent=1))
+        return
 
     import ray
     from rich.console import Console

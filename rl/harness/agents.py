@@ -35,10 +35,11 @@ class AgentTurn:
     token_ids: list[int] | None = None  # exactly as sampled, stop token included when finish is "stop"
     logprobs: list[float] | None = None
     policy_versions: list[int] | None = None
-    expert_ids: np.ndarray | None = None  # [len(token_ids), moe_layers, k]
+    expert_ids: np.ndarray | None = None  # [len(token_ids), moe_layers, k]; row j produced token j
     finish_reason: str | None = None  # "stop" | "length"
     num_new_tokens: int = 0
     context_tokens: int | None = None  # message-level agents: prompt + completion tokens the API reported
+    prompt_expert_ids: np.ndarray | None = None  # [len(prompt), moe_layers, k]: the prefill's experts
 
 
 class Agent(Protocol):
@@ -58,6 +59,7 @@ class GenerateResult(Protocol):
     policy_versions: list[int]
     expert_ids: np.ndarray | None
     finish_reason: str
+    # optional: prompt_expert_ids [len(prompt), moe_layers, k], the experts of the prompt's prefill
 
 
 @runtime_checkable
@@ -100,10 +102,17 @@ class SamplerAgent:
         experts = None if res.expert_ids is None else np.asarray(res.expert_ids)
         if experts is not None and experts.shape[0] != len(ids):
             raise ValueError(f"expert_ids has {experts.shape[0]} rows for {len(ids)} sampled tokens")
+        prompt_experts = getattr(res, "prompt_expert_ids", None)
+        if prompt_experts is not None:
+            prompt_experts = np.asarray(prompt_experts)
+            if prompt_experts.shape[0] != len(context.tokens):
+                raise ValueError(f"prompt_expert_ids has {prompt_experts.shape[0]} rows for a prompt of "
+                                 f"{len(context.tokens)} tokens")
         text = self.renderer.decode(ids)
         parsed = parse_assistant_text(text, call_id_prefix)
         return AgentTurn(parsed.content, [] if summary else parsed.tool_calls, ids, [float(x) for x in res.logprobs],
-                         [int(v) for v in res.policy_versions], experts, res.finish_reason, len(ids))
+                         [int(v) for v in res.policy_versions], experts, res.finish_reason, len(ids),
+                         prompt_expert_ids=prompt_experts)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from rl.harness.agents import Agent, AgentContext, AgentTurn
 from rl.harness.chat_format import DEFAULT_SYSTEM, build_system_prompt
 from rl.harness.registry import ToolCall, ToolContext, ToolRegistry
 from rl.harness.renderer import TokenTranscript
+from rl.harness.replay import ReplayRecorder
 from rl.harness.trajectory import Observation, Segment, Step, Trajectory, TrajectoryWriter
 from rl.sandbox.base import Sandbox
 
@@ -81,6 +82,7 @@ class _SegmentState:
     record: Segment
     tokens: TokenTranscript | None
     experts: list[np.ndarray | None] = field(default_factory=list)
+    replay: ReplayRecorder = field(default_factory=ReplayRecorder)
     api_context_tokens: int = 0
 
     def context_len(self) -> int:
@@ -94,6 +96,7 @@ class _SegmentState:
             rec.logprobs, rec.policy_versions = self.tokens.logprobs, self.tokens.policy_versions
             if self.experts and all(e is not None for e in self.experts):
                 rec.expert_ids = np.concatenate(self.experts, axis=0)
+            rec.replay_ids = self.replay.array(len(self.tokens))
         return rec
 
 
@@ -149,6 +152,7 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
         if seg.tokens is not None:
             if out.token_ids is None:
                 raise ValueError(f"agent {agent.name!r} has a renderer but returned no token ids")
+            seg.replay.record_turn(len(seg.tokens), out.prompt_expert_ids, out.expert_ids, len(out.token_ids))
             seg.tokens.extend_model(out.token_ids, out.logprobs, out.policy_versions)
             seg.tokens.extend_env(agent.renderer.close_assistant(out.token_ids, out.finish_reason == "stop"))
             seg.experts.append(out.expert_ids)

@@ -71,14 +71,18 @@ class Segment:
     expert_ids: np.ndarray | None = None  # [num sampled tokens, moe_layers, k], in sampled order
     num_prompt_tokens: int = 0  # length of the initial prompt (system + task [+ summary])
     end_reason: str = ""  # "summarized" or the episode's finish reason for the last segment
+    # [len(token_ids), moe_layers, k] int32, aligned with token_ids: the experts the sampler routed each
+    # token to when it ran it as an input (rl.harness.replay); -1 rows for tokens it never ran (the tail)
+    replay_ids: np.ndarray | None = None
 
     def to_dict(self) -> dict:
-        d = asdict(self) | {"expert_ids": encode_array(self.expert_ids)}
+        d = asdict(self) | {"expert_ids": encode_array(self.expert_ids), "replay_ids": encode_array(self.replay_ids)}
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Segment:
-        return cls(**(d | {"expert_ids": decode_array(d.get("expert_ids"))}))
+        return cls(**(d | {"expert_ids": decode_array(d.get("expert_ids")),
+                           "replay_ids": decode_array(d.get("replay_ids"))}))
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class TrainingSample:
     policy_versions: list[int]
     expert_ids: np.ndarray | None
     reward: float
+    replay_ids: np.ndarray | None = None  # [len(token_ids), moe_layers, k]; see Segment.replay_ids
 
 
 @dataclass
@@ -128,7 +133,7 @@ class Trajectory:
         if self.reward is None:
             raise ValueError(f"trajectory {self.trajectory_id} has no reward yet; grade it first")
         return [TrainingSample(self.trajectory_id, s.index, s.token_ids, s.loss_mask, s.logprobs,
-                               s.policy_versions, s.expert_ids, float(self.reward))
+                               s.policy_versions, s.expert_ids, float(self.reward), s.replay_ids)
                 for s in self.segments if s.token_ids]
 
     def to_dict(self) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +67,8 @@ class Learner:
 
 
 class RolloutWorker:
-    """Holds a sampler and drives the episodes of one group at a time against environment workers."""
+    """Holds a sampler and drives one group at a time against environment workers; the G episodes of an
+    agentic group run concurrently on the sampler (threads sharing the engine's slots)."""
 
     def __init__(self, cfg: RLSystemConfig, env_workers: list, prompts: dict, worker_id: str):
         import ray
@@ -147,12 +149,16 @@ class RolloutWorker:
         if ec.kind == "target":
             rollouts = run_target_group(lambda reqs: self.policy.generate(reqs, self._swap_at_chunk), call,
                                         self.prompts[spec["prompt_id"]], ec, size, spec["seed"],
-                                        sc.max_episode_retries)
+                                        sc.max_episode_retries, self.cfg.router_replay)
         else:
+            # the G episodes run concurrently, one thread each, on the one engine: their turns decode together
+            # in its slots (continuous batching), and one episode's tool calls overlap the others' decoding
             policy = _TokenPolicy(self.policy, self._swap_at_chunk)
-            rollouts = [run_ladder_episode(policy, self.renderer, call, spec["prompt_id"],
-                                           self.prompts[spec["prompt_id"]], ec, spec["seed"] * 1009 + i,
-                                           sc.max_episode_retries) for i in range(size)]
+            with ThreadPoolExecutor(max_workers=size, thread_name_prefix="episode") as pool:
+                rollouts = list(pool.map(
+                    lambda i: run_ladder_episode(policy, self.renderer, call, spec["prompt_id"],
+                                                 self.prompts[spec["prompt_id"]], ec, spec["seed"] * 1009 + i,
+                                                 sc.max_episode_retries, self.cfg.router_replay), range(size)))
         return Group(spec["group_id"], spec["prompt_id"], rollouts, attempt=spec.get("attempt", 0),
                      worker=f"{self.worker_id}/{self.incarnation}",
                      timings={"total_s": time.perf_counter() - t0, "version_at_start": version_at_start,
@@ -174,19 +180,42 @@ class _TokenPolicy:
 
 
 class Evaluator(RolloutWorker):
-    """Samples the held-out prompts K times with the weights of one version: avg@1 and best-of-K."""
+    """Samples the held-out prompts K times with the weights of one version; scores with rl.eval.metrics."""
 
     def evaluate(self, prompt_ids: list[str], k: int, chain: list, seed: int) -> dict:
-        from rl.system.evaluation import avg_at_1, best_of_k
-
-        rewards = []
+        rewards, scores = [], []
         for i, pid in enumerate(prompt_ids):
             spec = {"group_id": f"eval-{seed}-{i}", "prompt_id": pid, "seed": 10_000_000 + seed * 1000 + i,
                     "group_size": k}
-            rewards.append([r.reward for r in self.run_group(spec, chain).rollouts])
-        rw = np.asarray(rewards, np.float64)
-        return {"avg@1": avg_at_1(rw), f"best_of_{k}": best_of_k(rw), "version": self.policy.version,
+            rollouts = self.run_group(spec, chain).rollouts
+            rewards.append([r.reward for r in rollouts])
+            scores.append([model_score(r) for r in rollouts])
+        return {**eval_scores(rewards, scores, k, self.cfg.eval.success_threshold), "version": self.policy.version,
                 "prompts": len(prompt_ids)}
+
+
+def model_score(rollout) -> float:
+    """Mean sampler log-probability of a rollout's sampled tokens: the `model_score` selector of rl.eval
+    (runner.model_score), 0.0 when it sampled nothing."""
+    lps = [lp for s in rollout.sequences for lp, m in zip(s["behavior_logprobs"], s["loss_mask"]) if m]
+    return float(sum(lps) / len(lps)) if lps else 0.0
+
+
+def eval_scores(rewards, scores, k: int, success_threshold: float) -> dict:
+    """Online-eval scores of a [prompts, K] reward matrix with the canonical estimators (rl.eval.metrics,
+    docs/eval.md): a sample succeeds when its reward >= success_threshold; avg@1 = mean over prompts of
+    c/n, pass@K, and best-of-K with the model_score selector (the sample the policy is most confident in).
+    `reward/mean` is the plain mean reward (the target task's reward is fractional)."""
+    from rl.eval.metrics import best_of_k, mean, pass_at_k
+
+    rw = np.asarray(rewards, np.float64)
+    if rw.ndim != 2 or rw.shape[1] != k or np.shape(scores) != rw.shape:
+        raise ValueError(f"expected [prompts, {k}] rewards and scores, got {rw.shape} and {np.shape(scores)}")
+    ok = rw >= success_threshold
+    return {"avg@1": mean([float(row.mean()) for row in ok]),
+            f"pass@{k}": mean([pass_at_k(k, int(row.sum()), k) for row in ok]),
+            f"best_of_{k}": mean([best_of_k(list(o), list(sc), k) for o, sc in zip(ok, scores)]),
+            "reward/mean": float(rw.mean())}
 
 
 # ----------------------------------------------------------------------------------------- spawning

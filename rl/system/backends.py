@@ -5,6 +5,7 @@ trained by exact REINFORCE, so system tests exercise staleness, sync and faults 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,9 @@ def unflatten_weights(weights: dict[str, np.ndarray], params_like, model_state_l
 
 # ---------------------------------------------------------------------------------------- policies
 class EnginePolicy:
-    """The InferenceEngine; `generate` calls `maybe_swap()` before every decode chunk (in-flight updates)."""
+    """The InferenceEngine; `generate` calls `maybe_swap()` before every decode chunk (in-flight updates).
+    Thread-safe: concurrent `generate` calls (the episodes of a group) share the engine's slots; whichever
+    caller holds the lock runs the next chunk for all of them (continuous batching)."""
 
     def __init__(self, cfg: RLSystemConfig, detokenize=None):
         from flax import nnx
@@ -57,6 +60,7 @@ class EnginePolicy:
         self._graphdef3, self._params_like, self._rest_like = nnx.split(model, nnx.Param, ...)
         self.engine = InferenceEngine.from_model(model, config=cfg.engine, version=-1, detokenize=detokenize)
         self.recompute_cache = cfg.system.recompute_cache
+        self._lock = threading.RLock()  # the engine is not thread-safe: one caller drives it at a time
 
     @property
     def version(self) -> int:
@@ -67,20 +71,24 @@ class EnginePolicy:
 
         params, rest = unflatten_weights(weights, self._params_like, self._rest_like)
         state = nnx.split(nnx.merge(self._graphdef3, params, rest))[1]
-        self.engine.swap_weights(state, version, recompute_cache=self.recompute_cache)
+        with self._lock:
+            self.engine.swap_weights(state, version, recompute_cache=self.recompute_cache)
 
     def generate(self, requests, maybe_swap):
-        ids = [self.engine.submit(r) for r in requests]
+        with self._lock:
+            ids = [self.engine.submit(r) for r in requests]
         out = {}
-        while len(out) < len(ids):
-            maybe_swap()
-            self.engine.step()
-            for i in ids:
-                if i not in out:
-                    res = self.engine.pop_result(i)
-                    if res is not None:
-                        out[i] = res
-        return [out[i] for i in ids]
+        while True:
+            with self._lock:
+                for i in ids:
+                    if i not in out:
+                        res = self.engine.pop_result(i)
+                        if res is not None:
+                            out[i] = res
+                if len(out) == len(ids):
+                    return [out[i] for i in ids]
+                maybe_swap()
+                self.engine.step()
 
 
 class FakePolicy:
@@ -115,6 +123,94 @@ def make_policy(cfg: RLSystemConfig, detokenize=None):
     return FakePolicy(cfg, detokenize) if cfg.backend.policy == "fake" else EnginePolicy(cfg, detokenize)
 
 
+# ---------------------------------------------------------------------------------- initial weights
+# ModelConfig fields the RL run decides itself even when the weights come from a checkpoint
+_EXECUTION_FIELDS = ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_dtype")
+
+
+def check_init_from(cfg: RLSystemConfig) -> str:
+    """"hf" or "run" for `cfg.init_from`; a ConfigError naming the path when it is neither (checked on the
+    driver before any actor starts, and again where the weights are loaded)."""
+    from models.config import ConfigError
+
+    path = Path(cfg.init_from).expanduser()
+    if cfg.backend.learner != "rl":
+        raise ConfigError(f"init_from: needs backend.learner=rl (the {cfg.backend.learner} learner has no model)")
+    if not path.exists():
+        raise ConfigError(f"init_from: {path} does not exist")
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        return "run"
+    raise ConfigError(f"init_from: {path} is neither a Hugging Face DeepseekV3 checkpoint (no config.json) nor a "
+                      "c2jax pretraining run directory (config.yaml + checkpoints/)")
+
+
+def _load_pretraining_run(path: Path):
+    """The newest checkpoint of a pretraining run, with the model config of its last phase (its RoPE
+    scaling, as `Trainer.export_hf` writes it)."""
+    import jax
+    from flax import nnx
+
+    from c2jax.config import from_dict, load_yaml
+    from c2jax.train.checkpoint import Checkpointer
+    from c2jax.train.config import PretrainConfig
+    from c2jax.train.loop import phase_model_config
+    from c2jax.train.optim import make_optimizer
+    from c2jax.train.step import init_train_state
+    from models.config import ConfigError
+    from models.transformer import init
+
+    run = from_dict(PretrainConfig, load_yaml(path / "config.yaml"))
+    ckpt = Checkpointer(path / "checkpoints", run.checkpoint)
+    try:
+        if not ckpt.steps():
+            raise ConfigError(f"init_from: {path / 'checkpoints'} holds no checkpoint")
+        tx, _ = make_optimizer(run.optimizer, run.total_steps)
+        abstract = jax.eval_shape(lambda: init_train_state(init(run.model, seed=run.seed), tx, seed=run.seed)[1])
+        state, _ = ckpt.restore(ckpt.steps()[-1], abstract)
+    finally:
+        ckpt.close()
+    model_cfg = phase_model_config(run, run.phases[-1])
+    graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg)), nnx.Param, ...)[0]
+    return nnx.merge(graphdef, state.params, state.model_state)
+
+
+def initial_model(cfg: RLSystemConfig):
+    """The learner's starting model: `cfg.init_from`'s weights, or a random init of `cfg.model`."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.config import ConfigError, ModelConfig
+    from models.transformer import init
+
+    if not cfg.init_from:
+        return init(cfg.model, cfg.seed)
+    kind = check_init_from(cfg)
+    path = Path(cfg.init_from).expanduser()
+    if kind == "hf":
+        from models import hf
+
+        model = hf.from_pretrained(path, mtp="drop" if cfg.model.num_nextn_predict_layers == 0 else "auto")
+    else:
+        model = _load_pretraining_run(path)
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in _EXECUTION_FIELDS and getattr(cfg.model, f.name) != getattr(model.cfg, f.name)]
+    if differ:
+        shown = "; ".join(f"{n}: run {getattr(cfg.model, n)!r}, checkpoint {getattr(model.cfg, n)!r}"
+                          for n in differ[:4])
+        raise ConfigError(f"init_from: the model in {path} does not match the run's `model` config ({shown}"
+                          f"{'; ...' if len(differ) > 4 else ''}); set `model` to the checkpoint's architecture")
+    # the run's execution settings (moe_impl, dtypes, ...) around the checkpoint's weights
+    graphdef = nnx.split(nnx.eval_shape(lambda: init(cfg.model)), nnx.Param, ...)[0]
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree.map(lambda x: jnp.asarray(x, cfg.model.param_dtype), params)
+    return nnx.merge(graphdef, params, rest)
+
+
 # ----------------------------------------------------------------------------------------- learners
 class RLLearner:
     """rl_step (jitted, donated) on the model; Orbax checkpoints under <run>/checkpoints."""
@@ -122,11 +218,10 @@ class RLLearner:
     def __init__(self, cfg: RLSystemConfig, run_dir: Path):
         from c2jax.train.checkpoint import Checkpointer
         from c2jax.train.config import CheckpointConfig
-        from models.transformer import init
         from rl.learner import init_rl_state, make_optimizer, make_rl_step
 
         tx = make_optimizer(cfg.rl)
-        graphdef, self.state = init_rl_state(init(cfg.model, cfg.seed), tx, cfg.rl)
+        graphdef, self.state = init_rl_state(initial_model(cfg), tx, cfg.rl)
         self.step_fn = make_rl_step(graphdef, tx, cfg.rl)
         self.ckpt = Checkpointer(Path(run_dir) / "checkpoints",
                                  CheckpointConfig(every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,

@@ -35,6 +35,10 @@ class SystemConfig:
     max_restarts: int = 3  # Ray actor restarts
     in_flight_updates: bool = True  # swap weights between decode chunks; False: only between groups
     recompute_cache: bool = True  # on an in-flight swap, re-prefill live sequences under the new weights
+    # router replay (report sec. 5): the learner routes every token to the experts the sampler used. Takes
+    # effect where there is something to replay: an MoE model on the real sampler and learner
+    # (RLSystemConfig.router_replay); false: the learner routes itself
+    router_replay: bool = True
 
     def __post_init__(self):
         for name in ("steps", "group_size", "groups_per_step", "num_rollout_workers", "num_env_workers",
@@ -88,7 +92,8 @@ class CurriculumConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     every: int = 0  # learner steps between online evals; 0: off
-    k: int = 4  # samples per held-out prompt: avg@1 and best-of-K
+    k: int = 4  # samples per held-out prompt: avg@1, pass@K and best-of-K (rl.eval.metrics)
+    success_threshold: float = 1.0  # a sample succeeds (is "resolved") when its reward >= this
 
 
 @dataclass(frozen=True)
@@ -136,12 +141,24 @@ class RLSystemConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    # Start from these weights instead of a random init: a Hugging Face DeepseekV3 checkpoint directory
+    # (config.json + safetensors) or a c2jax pretraining run directory (config.yaml + checkpoints/, newest
+    # step). Its architecture must equal `model`'s (execution fields such as moe_impl/dtype are the run's).
+    # The learner loads it (and the KL reference is a copy); samplers get it with the version-0 full packet.
+    init_from: str | None = None
     log_every: int = 1
     dashboard: bool = True  # live rich dashboard when stdout is a TTY
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def router_replay(self) -> bool:
+        """Whether rollouts record the sampler's experts and batches replay them: `system.router_replay`,
+        for an MoE model (`model.num_moe_layers > 0`) on the real sampler (engine) and learner (rl)."""
+        return (self.system.router_replay and self.model.num_moe_layers > 0 and self.backend.policy == "engine"
+                and self.backend.learner == "rl")
 
 
 def load_system_config(source: str | os.PathLike | None, overrides: Sequence[str] = ()) -> RLSystemConfig:

@@ -19,7 +19,7 @@ import numpy as np
 
 from rl.sandbox.base import Sandbox, SandboxError
 from rl.system.config import EnvConfig
-from rl.system.groups import Rollout
+from rl.system.groups import Rollout, sequence
 
 
 # ---------------------------------------------------------------------------------------- prompt sets
@@ -159,20 +159,25 @@ class RemoteSandbox(Sandbox):
 
 
 def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, group_size: int, seed: int,
-                     max_retries: int) -> list[Rollout]:
-    """G samples of one prompt in one batched generate call, each graded on an environment worker."""
+                     max_retries: int, replay: bool = False) -> list[Rollout]:
+    """G samples of one prompt in one batched generate call, each graded on an environment worker. With
+    `replay`, each sequence records the sampler's experts per token (rl.harness.replay)."""
     from models.inference.engine import Request
+    from rl.harness.replay import single_turn_replay
 
     requests = [Request(list(prompt), cfg.gen_len, (), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
                 for i in range(group_size)]
     results = generate(requests)
     rollouts = []
     for res in results:
-        tokens = list(prompt) + list(res.token_ids)
-        n_p = len(prompt)
-        seq = {"tokens": tokens, "loss_mask": [0] * n_p + [1] * len(res.token_ids),
-               "behavior_logprobs": [0.0] * n_p + [float(x) for x in res.logprobs],
-               "policy_versions": [-1] * n_p + [int(v) for v in res.policy_versions]}
+        n_p, n = len(prompt), len(res.token_ids)
+        experts = None
+        if replay:
+            if res.prompt_expert_ids is None or res.expert_ids is None:
+                raise ValueError("router replay is on but the sampler returned no expert ids (a dense model?)")
+            experts = single_turn_replay(res.prompt_expert_ids, res.expert_ids, n)
+        seq = sequence(list(prompt) + list(res.token_ids), [0] * n_p + [1] * n, [0.0] * n_p + list(res.logprobs),
+                       [-1] * n_p + list(res.policy_versions), experts)
         reward, error, attempts = 0.0, None, 0
         while attempts <= max_retries:
             attempts += 1
@@ -181,13 +186,14 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
                 break
             except Exception as e:  # noqa: BLE001 -- worker died or timed out: retry, then record
                 error = f"grading failed ({type(e).__name__}): {e}"
-        rollouts.append(Rollout([seq], reward, res.finish_reason, error, 1, len(res.token_ids), attempts))
+        rollouts.append(Rollout([seq], reward, res.finish_reason, error, 1, n, attempts))
     return rollouts
 
 
 def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: str, cfg: EnvConfig,
-                       seed: int, max_retries: int) -> Rollout:
-    """One agentic episode; an episode whose environment failed is re-run up to max_retries times."""
+                       seed: int, max_retries: int, replay: bool = False) -> Rollout:
+    """One agentic episode; an episode whose environment failed is re-run up to max_retries times. With
+    `replay`, each segment's sequence carries the harness's per-token replay record."""
     from rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
 
     error = None
@@ -211,8 +217,10 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
         if traj.reward is None:  # the episode errored (sandbox, grader): run it again
             error = traj.error or f"episode ended with {traj.finish_reason} and no reward"
             continue
-        seqs = [{"tokens": s.token_ids, "loss_mask": s.loss_mask, "behavior_logprobs": s.logprobs,
-                 "policy_versions": s.policy_versions} for s in traj.segments if s.token_ids]
+        if replay and any(s.token_ids and s.replay_ids is None for s in traj.segments):
+            raise ValueError("router replay is on but the sampler returned no expert ids (a dense model?)")
+        seqs = [sequence(s.token_ids, s.loss_mask, s.logprobs, s.policy_versions, s.replay_ids if replay else None)
+                for s in traj.segments if s.token_ids]
         return Rollout(seqs, float(traj.reward), traj.finish_reason, None, traj.num_turns, traj.num_model_tokens,
                        attempt)
     return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1)

@@ -2,7 +2,8 @@
 one prompt with its advantages, and the packed batch built from groups.
 
 A rollout holds one sequence per context segment (self-summarization makes several); every token carries
-the sampler's logprob and the policy version that sampled it (-1 on environment tokens).
+the sampler's logprob and the policy version that sampled it (-1 on environment tokens) and, with router
+replay, the sampler's experts for it (`replay_ids`, an encoded [n, L_moe, k] record, rl.harness.replay).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import numpy as np
 from rl.advantages import group_advantages
 from rl.batch import RLBatch, pack
 from rl.config import AdvantageConfig
+from rl.harness.replay import learner_replay_ids
+from rl.harness.trajectory import decode_array, encode_array
 
 
 @dataclass
 class Rollout:
-    sequences: list[dict]  # each {tokens, loss_mask, behavior_logprobs, policy_versions} as lists
+    sequences: list[dict]  # each {tokens, loss_mask, behavior_logprobs, policy_versions} as lists [+ replay_ids]
     reward: float
     finish_reason: str = ""
     error: str | None = None
@@ -87,27 +90,55 @@ class Group:
         return cls(**(d | {"rollouts": [Rollout(**r) for r in d["rollouts"]]}))
 
 
-def batch_sequences(groups: Sequence[Group]) -> list[dict]:
+def sequence(tokens, loss_mask, behavior_logprobs, policy_versions, replay_ids: np.ndarray | None = None) -> dict:
+    """One rollout sequence as stored (lists, and the replay record base64-encoded: groups are JSONL)."""
+    n = len(tokens)
+    if not (len(loss_mask) == len(behavior_logprobs) == len(policy_versions) == n):
+        raise ValueError(f"a sequence of {n} tokens has {len(loss_mask)} mask, {len(behavior_logprobs)} logprob "
+                         f"and {len(policy_versions)} version entries")
+    if replay_ids is not None and len(replay_ids) != n:
+        raise ValueError(f"a sequence of {n} tokens has {len(replay_ids)} replay rows")
+    return {"tokens": [int(t) for t in tokens], "loss_mask": [int(m) for m in loss_mask],
+            "behavior_logprobs": [float(x) for x in behavior_logprobs],
+            "policy_versions": [int(v) for v in policy_versions],
+            "replay_ids": None if replay_ids is None else encode_array(np.asarray(replay_ids, np.int32))}
+
+
+def batch_sequences(groups: Sequence[Group], replay: bool = False) -> list[dict]:
+    """The learner sequences of the groups, each cut after its last sampled token (environment text after
+    it, e.g. a final tool output, is not a target and nothing trained attends to it). With `replay`, each
+    carries the sampler's experts for every token (rl.harness.replay.learner_replay_ids); a rollout
+    without a replay record is an error."""
     out = []
     for g in groups:
         if len(g.advantages) != len(g.rollouts):
             raise ValueError(f"group {g.group_id} has no advantages; call with_advantages first")
         for r, adv in zip(g.rollouts, g.advantages):
             for s in r.sequences:
-                if len(s["tokens"]) >= 2:
-                    out.append({"tokens": np.asarray(s["tokens"], np.int32),
-                                "loss_mask": np.asarray(s["loss_mask"], bool),
-                                "behavior_logprobs": np.asarray(s["behavior_logprobs"], np.float32),
-                                "policy_versions": np.asarray(s["policy_versions"], np.int32),
-                                "advantage": adv})
+                mask = np.asarray(s["loss_mask"], bool)
+                sampled = np.flatnonzero(mask)
+                end = int(sampled[-1]) + 1 if sampled.size else len(mask)
+                if end < 2:
+                    continue
+                seq = {"tokens": np.asarray(s["tokens"], np.int32)[:end], "loss_mask": mask[:end],
+                       "behavior_logprobs": np.asarray(s["behavior_logprobs"], np.float32)[:end],
+                       "policy_versions": np.asarray(s["policy_versions"], np.int32)[:end],
+                       "advantage": adv}
+                if replay:
+                    if s.get("replay_ids") is None:
+                        raise ValueError(f"group {g.group_id}: router replay is on (system.router_replay) but "
+                                         "a rollout has no replay record (a sampler without expert ids?)")
+                    seq["replay_ids"] = learner_replay_ids(decode_array(s["replay_ids"])[:end], seq["loss_mask"])
+                out.append(seq)
     return out
 
 
-def build_batch(groups: Sequence[Group], seq_len: int, min_rows: int, row_multiple: int = 1) -> RLBatch:
+def build_batch(groups: Sequence[Group], seq_len: int, min_rows: int, row_multiple: int = 1,
+                replay: bool = False) -> RLBatch:
     """Packs the groups' sequences into [rows, seq_len]; rows = the first of min_rows * 2^k that fits (and
     divides by row_multiple), so a run compiles rl_step for few shapes. Truncates nothing: a sequence
-    longer than seq_len is an error naming the limit."""
-    seqs = batch_sequences(groups)
+    longer than seq_len is an error naming the limit. `replay`: the batch carries replay_ids."""
+    seqs = batch_sequences(groups, replay)
     rows = min_rows
     while True:
         try:

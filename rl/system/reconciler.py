@@ -86,6 +86,10 @@ class Reconciler:
             raise ValueError(f"the actors need {need:g} logical CPUs (ray.learner_cpus, env_cpus, rollout_cpus x "
                              f"workers + evaluator) but the Ray cluster has {have:g}; lower them or raise "
                              "ray.num_cpus")
+        if cfg.init_from:  # fail here, naming the path, rather than inside the learner actor
+            from rl.system.backends import check_init_from
+
+            check_init_from(cfg)
         save_system_config(cfg, self.run_dir)
         self.train_prompts, self.eval_prompts, task_dirs = self._prompts()
         tag = uuid.uuid4().hex[:6]
@@ -167,7 +171,7 @@ class Reconciler:
         if groups is None:
             return
         sc = self.cfg.system
-        batch = build_batch(groups, sc.seq_len, sc.min_rows, self.cfg.rl.micro_batches)
+        batch = build_batch(groups, sc.seq_len, sc.min_rows, self.cfg.rl.micro_batches, self.cfg.router_replay)
         mask = np.asarray(batch.loss_mask, bool)
         versions = np.asarray(batch.policy_versions)[mask]
         min_v = int(versions.min()) if versions.size else self.version
