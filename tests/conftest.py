@@ -7,6 +7,12 @@ from pathlib import Path
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"  # 8 fake CPU devices for sharding tests
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
+# Tests are dominated by XLA:CPU compile time, not run time: LLVM at -O1 compiles them ~15-30% faster
+# end to end (measured A/B on test_transformer, test_rl_learner + test_layers + test_moe). Subprocesses the
+# tests start (resume after kill -9, notebooks, Ray actors) inherit it through the environment.
+_OPT_FLAG = "--xla_backend_optimization_level"
+if _OPT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_OPT_FLAG}=1"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
