@@ -103,3 +103,42 @@ def test_router_replay_removes_routing_flips_from_the_mismatch(tmp_path):
         # what is left with replay is rounding only, so it is never worse in the tail than a flipped expert
         assert on["abs_max"] <= off["abs_max"] + 1e-6
         assert on["abs_mean"] < 0.05
+
+
+def test_nvfp4_per_token_output_is_invariant_to_the_batch_per_tensor_is_not(tmp_path):
+    result = _load_script("06_nvfp4_scales").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "nvfp4_scales.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())
+    assert json.loads((tmp_path / "results.json").read_text())["batch_variance"] == result["batch_variance"]
+    per_token, per_tensor = result["batch_variance"]["per_token"], result["batch_variance"]["per_tensor"]
+    # per token: the probe sequence's codes and output are bit-identical whatever else is in the batch
+    assert per_token["batches_where_probe_output_changed"] == 0.0
+    assert per_token["probe_inputs_changed_fraction"] == 0.0
+    assert per_token["probe_relative_error_max"] == per_token["probe_relative_error_alone"]
+    # per tensor: the batch's global amax sets the probe's encode scale, so other sequences change its codes
+    assert per_tensor["batches_where_probe_output_changed"] > 0.9
+    assert per_tensor["probe_inputs_changed_fraction"] > 0.1
+    for s in (per_token, per_tensor):  # NVFP4 of Gaussian activations: ~0.13 relative error on the product
+        assert 0.05 < s["probe_relative_error_mean"] < 0.2
+    # one other sequence 10^6 x larger: per tensor, the probe's E4M3 block scales round to 0 (amax_b / amax_g below
+    # ~2^-10 / 448) and its blocks are flushed to zero; per token, nothing changes
+    sweep = result["amax_ratio_sweep"]
+    assert sweep["ratio"][-1] == 1e6 and sweep["per_tensor"]["probe_zero_block_fraction"][-1] == 1.0
+    assert sweep["per_tensor"]["probe_relative_error"][-1] == pytest.approx(1.0)
+    assert len(set(sweep["per_token"]["probe_relative_error"])) == 1
+    assert sweep["per_token"]["probe_zero_block_fraction"] == [0.0] * len(sweep["ratio"])
+
+
+def test_approximate_division_changes_nvfp4_codes_never_mxfp8(tmp_path):
+    result = _load_script("07_division").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "division.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())
+    stats = result["quantizer"]
+    assert {s["distribution"] for s in stats.values()} == {"gaussian", "gaussian_bf16"}
+    for s in stats.values():
+        if s["format"] == "mxfp8_e4m3":  # power-of-two scales: x * (1/s) == x / s exactly
+            assert s["elements_differing_fraction"] == 0.0
+        # a last-bit difference in x / s only moves values sitting on a rounding tie: the errors agree
+        assert s["relative_error_approx"] == pytest.approx(s["relative_error_ieee"], rel=1e-3)
+    # bf16-valued inputs sit on exact E2M1 / E4M3 ties often enough that some codes flip (~1e-4 .. 1e-3). Per
+    # tensor there is one scale s_dec for all rows, which may or may not put bf16 values on ties: not asserted
+    for fmt in ("nvfp4_per_token", "fp8_deepseek"):
+        assert 0.0 < stats[f"gaussian_bf16/{fmt}"]["elements_differing_fraction"] < 1e-2

@@ -57,11 +57,15 @@ def token_logprobs(cfg: ModelConfig, params, model_state, batch, replay_ids=None
     return jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0], out.expert_ids
 
 
+def _replayed_logprobs(cfg: ModelConfig, params, model_state, batch, replay_ids):
+    return token_logprobs(cfg, params, model_state, batch, replay_ids)
+
+
 def measure(cfg: ModelConfig, sampler_dtype: str, filter_ratios, params, model_state, batches) -> dict:
     sampler_cfg = cfg.replace(dtype=sampler_dtype)
     sampler = jax.jit(lambda p, s, b: token_logprobs(sampler_cfg, p, s, b))
-    trainers = {ratio: jax.jit(lambda p, s, b, r, c=cfg.replace(router_replay_filter_ratio=ratio):
-                               token_logprobs(c, p, s, b, r)) for ratio in filter_ratios}
+    trainers = {ratio: jax.jit(functools.partial(_replayed_logprobs, cfg.replace(router_replay_filter_ratio=ratio)))
+                for ratio in filter_ratios}
     free = jax.jit(lambda p, s, b: token_logprobs(cfg, p, s, b))
     diffs = {"off": []} | {f"on_filter{r}": [] for r in filter_ratios}
     flips, overrides = [], {r: [] for r in filter_ratios}
