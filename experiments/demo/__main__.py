@@ -1,0 +1,3 @@
+from experiments.demo.pipeline import main
+
+main()

@@ -1,0 +1,620 @@
+"""The stages of `make demo`, each a function of the demo config and the output directory.
+
+info -> tokenizer + tool-use transcripts -> base pretraining -> continued pretraining (code short, code long
+with YaRN, SFT on transcripts) -> eval before RL -> asynchronous RL -> eval after RL -> HF export and
+transformers reload -> report. Side effects (files, Ray, printing) live here and in `main`; the pieces they
+call are the library's (c2jax.train, c2jax.data, rl.harness, rl.system, rl.eval, models.hf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Every directory the demo writes under --out; only these are cleared when it starts again.
+OUTPUTS = ("info.txt", "tokenizer", "data", "base", "cpt", "rl", "eval", "hf", "plots", "REPORT.md",
+           "demo.json", "results.json")
+BYTE_VOCAB = 264  # rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes of every stage. Defaults: `make demo` (CPU, 2 cores, < 15 min); `quick()`: the test."""
+
+    out: str = "runs/demo"
+    seed: int = 0
+    quick: bool = False
+    # model: a byte-level DeepSeek-V3-style MoE (MLA, 1 dense + MoE layers), vocab = bytes + chat tokens
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 2
+    experts: int = 4
+    max_documents: int = 2000  # per corpus source (files / modules of the standard library)
+    # base pretraining on on-machine text (standard-library docstrings and docs)
+    base_steps: int = 50
+    base_seq: int = 256
+    base_batch: int = 8
+    base_lr: float = 3e-3
+    # continued pretraining: code at short context, code at long context (YaRN), SFT on tool-use transcripts
+    code_steps: int = 30
+    code_seq: int = 512
+    code_batch: int = 8
+    long_steps: int = 4
+    long_seq: int = 2048
+    long_batch: int = 1
+    sft_steps: int = 140
+    sft_batch: int = 1
+    cpt_lr: float = 5e-3
+    sft_tasks: int = 64  # TRAIN ladder tasks the scripted oracle solves for SFT transcripts
+    # episodes (SFT rendering, RL and eval use the same budgets)
+    context: int = 5120  # the system prompt with tool schemas alone is ~4.9k byte tokens
+    max_new_tokens: int = 120  # one write_file call for answer.txt is ~105 byte tokens + <|im_end|>
+    temperature: float = 1.0
+    # asynchronous RL (rl.system) on the ladder's `answer` rung
+    rl_steps: int = 4
+    rl_tasks: int = 8
+    group_size: int = 4
+    groups_per_step: int = 1
+    rollout_workers: int = 1
+    max_staleness: int = 1
+    rl_lr: float = 3e-4
+    # evaluation on HELD-OUT ladder tasks (another seed)
+    eval_tasks: int = 4
+    eval_k: int = 4
+    sandbox: str = "auto"  # bwrap when installed, else local (the ladder's tasks are generated here)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "seed" and v <= 0:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
+        if self.sandbox not in ("auto", "bwrap", "local"):
+            raise ValueError(f"--sandbox must be auto, bwrap or local, got {self.sandbox!r}")
+        if self.eval_k < 2:
+            raise ValueError("--eval-k must be >= 2 (best-of-K needs several samples per task)")
+
+    @classmethod
+    def quick_defaults(cls) -> dict[str, Any]:
+        """Tiny sizes, one or two steps per stage: the whole pipeline in about a minute and a half."""
+        return dict(quick=True, hidden=32, max_documents=200, base_steps=3, base_batch=4, code_steps=2,
+                    code_seq=256, code_batch=4, long_steps=1, long_seq=1024, sft_steps=2, sft_tasks=4,
+                    max_new_tokens=16, rl_steps=1, rl_tasks=2, group_size=2, eval_tasks=1, eval_k=2)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return 8192
+
+    def sandbox_kind(self) -> str:
+        if self.sandbox != "auto":
+            return self.sandbox
+        return "bwrap" if shutil.which("bwrap") else "local"
+
+
+# ------------------------------------------------------------------------------------------- helpers
+class Timer:
+    def __init__(self):
+        self.stages: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    def run(self, name: str, fn: Callable, *args, **kwargs):
+        print(f"\n== [{name}] {time.strftime('%H:%M:%S')}", flush=True)
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.stages[name] = time.perf_counter() - start
+        print(f"== [{name}] done in {self.stages[name]:.1f}s", flush=True)
+        return out
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def git_info() -> dict[str, Any]:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain"))}
+
+
+def machine_info() -> dict[str, Any]:
+    import jax
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"cpus": os.cpu_count(), "load_avg_1_5_15": [round(x, 2) for x in load], "python": sys.version.split()[0],
+            "jax": jax.__version__, "backend": jax.default_backend(), "platform": sys.platform}
+
+
+def model_config(cfg: DemoConfig):
+    from models.config import preset
+
+    h = cfg.hidden
+    return preset("tiny").replace(
+        vocab_size=BYTE_VOCAB, hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=cfg.experts,
+        num_experts_per_tok=2, n_group=1, topk_group=1, rope_scaling=None,
+        max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0, moe_impl="dense")
+
+
+def yarn(cfg: DemoConfig):
+    from models.config import RopeScaling
+
+    return RopeScaling(factor=cfg.max_position_embeddings / cfg.code_seq, original_max_position_embeddings=cfg.code_seq,
+                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def episode_config(cfg: DemoConfig):
+    from rl.harness import EpisodeConfig
+
+    # one turn: the `answer` rung is solved by one write_file call; the episode then ends and is graded
+    return EpisodeConfig(max_turns=1, max_model_tokens=cfg.max_new_tokens, max_new_tokens_per_turn=cfg.max_new_tokens,
+                         max_context_tokens=cfg.context, wall_clock_s=600.0, temperature=cfg.temperature)
+
+
+def engine_config(cfg: DemoConfig):
+    from models.inference.engine import EngineConfig
+
+    # the same for the evaluator and the RL rollout workers, so the persistent compilation cache is shared
+    return EngineConfig(slots=2, max_len=cfg.context, chunk_steps=8, key_bucket=512, min_prompt_bucket=16)
+
+
+def sandbox_factory(cfg: DemoConfig):
+    from rl.tasks.build import sandbox_factory as make
+
+    return make(cfg.sandbox_kind())
+
+
+def ladder(out: Path, seed: int, per_rung: int):
+    from rl.tasks.ladder import build_ladder
+    from rl.tasks.task import load_task
+
+    return [load_task(p) for p in build_ladder(out, seed=seed, per_rung=per_rung, rungs=("answer",))]
+
+
+# ------------------------------------------------------------------------------------------- stages
+def stage_info(cfg: DemoConfig, out: Path) -> dict:
+    """`c2jax info` for the full Kimi K2.5 preset: parameters, FLOPs and memory from abstract shapes."""
+    from c2jax.info import format_report, report
+    from models.config import preset
+
+    text = format_report("kimi-k2.5", report(preset("kimi-k2.5"), {"fsdp": 64, "expert": 8}, 32768))
+    print(text)
+    (out / "info.txt").write_text(text + "\n")
+    return {"path": str(out / "info.txt")}
+
+
+def stage_data(cfg: DemoConfig, out: Path) -> dict:
+    """The byte tokenizer shared by pretraining and the harness, and the SFT transcripts of the scripted
+    oracle on TRAIN ladder tasks (prompts that also occur in the held-out set are left out)."""
+    from experiments.demo.transcripts import write_transcripts
+    from rl.harness import ChatRenderer
+    from rl.system.envs import byte_tokenizer
+
+    tok_dir = out / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer()
+    data_tokenizer(tok).save(str(tok_dir / "tokenizer.json"))
+    held_prompts = {t.prompt("terse") for t in ladder(out / "data" / "tasks" / "eval", cfg.seed + 1000, cfg.eval_tasks)}
+    train = ladder(out / "data" / "tasks" / "train", cfg.seed, cfg.sft_tasks)
+    kept = [t for t in train if t.prompt("terse") not in held_prompts]
+    jsonl = out / "data" / "sft_tool_use.jsonl"
+    stats = write_transcripts(kept, jsonl, episode_config(cfg), sandbox_factory(cfg), prompt_level="terse",
+                              grade_first=min(len(kept), 4 if cfg.quick else 8), seed=cfg.seed)
+    stats["dropped_overlapping_heldout"] = len(train) - len(kept)
+    # The SFT prompt, tokenized by the data pipeline, must be exactly what the RL renderer feeds the sampler.
+    from c2jax.data.tokenizer import load_tokenizer
+
+    first = json.loads(jsonl.read_text().splitlines()[0])
+    data_ids = load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["prompt"])
+    from rl.harness import default_registry
+    from rl.harness.chat_format import build_system_prompt
+
+    task = next(t for t in kept if t.id == first["task_id"])
+    renderer_ids = ChatRenderer(tok).render_prompt([
+        {"role": "system", "content": build_system_prompt(default_registry(), episode_config(cfg).system_instructions)},
+        {"role": "user", "content": task.prompt("terse")}])
+    if data_ids != renderer_ids:
+        raise RuntimeError("SFT prompt tokens differ from the harness renderer's: the SFT data would not match "
+                           "what the policy sees during RL")
+    stats.update(prompt_tokens=len(data_ids), completion_example=first["completion"],
+                 completion_tokens=len(load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["completion"])) + 1,
+                 jsonl=str(jsonl), tokenizer=str(tok_dir / "tokenizer.json"))
+    if stats["prompt_tokens"] + stats["completion_tokens"] + 1 > cfg.context:
+        raise ValueError(f"--context {cfg.context} is shorter than one transcript "
+                         f"({stats['prompt_tokens']} + {stats['completion_tokens']} tokens)")
+    print(f"{stats['records']} SFT records from {stats['tasks']} oracle episodes (oracle resolved "
+          f"{stats['oracle_resolved']}/{stats['oracle_graded']} graded); prompt {stats['prompt_tokens']} tokens, "
+          f"completion e.g. {first['completion']!r}")
+    return stats
+
+
+def data_tokenizer(harness_tokenizer):
+    """The harness's byte tokenizer (same ids) for the data pipeline, with only the turn markers
+    <|im_start|>/<|im_end|> special. The renderer inserts those two by id and encodes all environment text
+    with special tokens as plain characters, so the system prompt's "<tool_call>" examples are bytes; text
+    encoded by this tokenizer then gives exactly the renderer's ids, and the SFT completions teach tool-call
+    tags as bytes, as the system prompt shows them (the parser reads the decoded text either way)."""
+    from tokenizers import Tokenizer
+
+    from rl.harness.chat_format import IM_END, IM_START
+
+    spec = json.loads(harness_tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in (IM_START, IM_END)]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _short_eval_sources(max_seq: int):
+    """Held-out eval loss in the short-context phases only (a 5k-token eval step would cost a compile)."""
+    from c2jax.train.loop import data_eval_sources
+
+    def sources(cfg, phase):
+        seq = phase.seq_len or int(cfg.data.get("seq_len", 512))
+        return data_eval_sources(cfg, phase) if seq <= max_seq else {}
+
+    return sources
+
+
+def _train(pcfg) -> dict:
+    from c2jax.train.loop import Trainer
+
+    trainer = Trainer(pcfg, eval_sources=_short_eval_sources(1024))
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (pcfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    phases = []
+    start = 0
+    for p in pcfg.phases:
+        losses = result["losses"][start:start + p.steps]
+        phases.append({"name": p.name, "steps": p.steps, "first_loss": losses[0], "last_loss": losses[-1],
+                       "mean_last_5": sum(losses[-5:]) / len(losses[-5:]), "start": start})
+        start += p.steps
+    evals = [r for r in rows if r.get("kind") == "eval" and any(k.startswith("eval_loss/") for k in r)]
+    return {"run_dir": str(pcfg.run_dir), "losses": result["losses"], "phases": phases, "evals": evals,
+            "hf": str(pcfg.run_dir / "hf")}
+
+
+def stage_base(cfg: DemoConfig, out: Path, data: dict) -> dict:
+    """A small base model pretrained from scratch on on-machine text: standard-library docstrings and docs."""
+    from c2jax.train.config import (
+        CheckpointConfig,
+        EvalConfig,
+        LossConfig,
+        OptimizerConfig,
+        PhaseConfig,
+        PretrainConfig,
+    )
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    pcfg = PretrainConfig(
+        name="base", seed=cfg.seed, output_dir=str(out), model=model_config(cfg),
+        data={"tokenizer": data["tokenizer"], "seq_len": cfg.base_seq, "batch_size": cfg.base_batch, "seed": cfg.seed,
+              "sources": [{"name": "docs", "kind": "stdlib_docs", "path": stdlib, "max_documents": cfg.max_documents,
+                           "heldout_fraction": 0.02}]},
+        optimizer=OptimizerConfig(lr=cfg.base_lr, warmup_steps=max(1, cfg.base_steps // 10), schedule="wsd"),
+        loss=LossConfig(mtp_weight=0.0, router_bias_rate=1e-3),
+        phases=(PhaseConfig(name="base", steps=cfg.base_steps),),
+        checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
+        eval=EvalConfig(every=max(1, cfg.base_steps // 4), batches=2), export_hf=True,
+        log_every=max(1, cfg.base_steps // 40), progress=not cfg.quick)
+    res = _train(pcfg)
+    p = res["phases"][0]
+    print(f"base: loss {p['first_loss']:.3f} -> {p['last_loss']:.3f} over {p['steps']} steps")
+    return res
+
+
+def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
+    """Continued pretraining from the base model's HF export: code at short context, code at long context
+    with YaRN, then SFT on the oracle's tool-use transcripts (loss on completions only)."""
+    from c2jax.config import dump_yaml
+    from c2jax.train.config import (
+        CheckpointConfig,
+        EvalConfig,
+        LossConfig,
+        OptimizerConfig,
+        PhaseConfig,
+        PretrainConfig,
+    )
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    sft_data = out / "data" / "sft_data.yaml"
+    from c2jax.config import from_dict
+    from c2jax.data.config import DataConfig
+
+    sft = from_dict(DataConfig, {
+        "tokenizer": data["tokenizer"], "seq_len": cfg.context, "batch_size": cfg.sft_batch, "seed": cfg.seed,
+        "loss_mask": "completion",
+        "sources": [{"name": "tool_use", "kind": "jsonl", "path": data["jsonl"], "prompt_field": "prompt",
+                     "completion_field": "completion", "heldout_fraction": 0.0}]}, "data")
+    dump_yaml(sft, sft_data)
+    rope = yarn(cfg)
+    pcfg = PretrainConfig(
+        name="cpt", seed=cfg.seed, output_dir=str(out), model=model_config(cfg), init_from_hf=base["hf"],
+        data={"tokenizer": data["tokenizer"], "seq_len": cfg.code_seq, "batch_size": cfg.code_batch, "seed": cfg.seed,
+              "sources": [{"name": "code", "kind": "stdlib_code", "path": stdlib, "max_documents": cfg.max_documents,
+                           "heldout_fraction": 0.02}]},
+        # warmup-stable-decay with the decay inside the SFT phase (its second half), so code and long-context
+        # training run at the full LR and SFT anneals
+        optimizer=OptimizerConfig(lr=cfg.cpt_lr, warmup_steps=max(1, cfg.code_steps // 10), schedule="wsd",
+                                  decay_fraction=0.5 * cfg.sft_steps / (cfg.code_steps + cfg.long_steps
+                                                                        + cfg.sft_steps)),
+        loss=LossConfig(mtp_weight=0.0, router_bias_rate=1e-3),
+        phases=(PhaseConfig(name="code", steps=cfg.code_steps),
+                PhaseConfig(name="long", steps=cfg.long_steps, seq_len=cfg.long_seq, batch_size=cfg.long_batch,
+                            rope_scaling=rope),
+                PhaseConfig(name="sft", steps=cfg.sft_steps, seq_len=cfg.context, batch_size=cfg.sft_batch,
+                            rope_scaling=rope, data=str(sft_data), loss_mask="completion")),
+        checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
+        eval=EvalConfig(every=max(1, cfg.code_steps // 3), batches=2), export_hf=True,
+        log_every=max(1, (cfg.code_steps + cfg.long_steps + cfg.sft_steps) // 40), progress=not cfg.quick)
+    res = _train(pcfg)
+    for p in res["phases"]:
+        print(f"cpt/{p['name']}: loss {p['first_loss']:.3f} -> {p['last_loss']:.3f} over {p['steps']} steps")
+    return res
+
+
+def load_hf_model(path: str | Path):
+    from models import hf
+
+    return hf.from_pretrained(path, mtp="drop", moe_impl="dense")
+
+
+def agent_factory(cfg: DemoConfig, model, label: str, version: int):
+    """One InferenceEngine on `model`, shared by the episodes behind a lock (rl.eval.agents.LockedPolicy),
+    sampled through the harness's SamplerAgent with the byte tokenizer's chat renderer."""
+    from models.inference import InferenceEngine
+    from rl.eval.agents import LockedPolicy
+    from rl.harness import ChatRenderer, SamplerAgent
+    from rl.system.envs import byte_tokenizer
+
+    tok = byte_tokenizer()
+    engine = InferenceEngine.from_model(model, config=engine_config(cfg), version=version,
+                                        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    policy, renderer = LockedPolicy(engine), ChatRenderer(tok)
+    return lambda task, sample: SamplerAgent(policy, renderer, temperature=cfg.temperature, name=label)
+
+
+def tool_use_stats(eval_dir: Path) -> dict[str, float]:
+    """From the stored trajectories: how often the policy opened a <tool_call> block at all (parseable or
+    not), wrote a parseable tool call, a call that ran without error, and a call that wrote answer.txt."""
+    from rl.harness import read_trajectories
+
+    trajs = read_trajectories(eval_dir / "trajectories.jsonl")
+    attempted = parsed = ran = wrote = 0
+    for t in trajs:
+        calls = [c for s in t.steps for c in s.tool_calls]
+        obs = [o for s in t.steps for o in s.observations]
+        attempted += bool(calls)
+        parsed += any(c["error"] is None for c in calls)
+        ran += any(c["error"] is None and not o.is_error for c, o in zip(calls, obs))
+        wrote += any(c["error"] is None and c["name"] == "write_file"
+                     and (c["arguments"] or {}).get("path") == "answer.txt" for c in calls)
+    n = max(len(trajs), 1)
+    return {"episodes": len(trajs), "tool_call_attempted": attempted / n, "parsed_tool_call": parsed / n,
+            "tool_call_ran": ran / n, "wrote_answer_txt": wrote / n}
+
+
+def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict:
+    """avg@1 and best-of-K on HELD-OUT ladder tasks (seed + 1000, as the RL system's held-out set) with rl.eval."""
+    from c2jax.config import dump_yaml
+    from rl.eval import EvalConfig, evaluate
+
+    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks)
+    ecfg = EvalConfig(samples=cfg.eval_k, ks=(1, cfg.eval_k), concurrency=1, sandbox=cfg.sandbox_kind(),
+                      prompt_level="terse", selector="model_score", seed=cfg.seed, bootstrap_samples=200,
+                      label=label, episode=episode_config(cfg))
+    run_dir = out / "eval" / label
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_yaml(ecfg, run_dir / "config.yaml")
+    res = evaluate(tasks, agent_factory(cfg, model, label, step), config=ecfg, out_dir=run_dir, label=label,
+                   step=step, progress=not cfg.quick)
+    summary = res.summary(ecfg)
+    acc = summary["accuracy"]
+    k = cfg.eval_k
+    row = {"label": label, "step": step, "tasks": summary["tasks"], "samples_per_task": summary["samples_per_task"],
+           "avg@1": acc["avg@1"]["mean"], f"best_of_{k}": acc[f"best_of_{k}"]["mean"],
+           f"pass@{k}": acc[f"pass@{k}"]["mean"],
+           "statuses": summary["statuses"], "finish_reasons": summary["finish_reasons"],
+           "completion_tokens_mean": summary["efficiency"]["completion_tokens"]["mean"],
+           **tool_use_stats(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps({"demo": row, "summary": summary}, indent=1, default=str))
+    from c2jax.train.metrics import MetricsWriter
+
+    writer = MetricsWriter(out / "eval")
+    writer.write(step, {k2: v for k2, v in row.items() if isinstance(v, (int, float))}, kind=f"eval_{label}")
+    writer.close()
+    print(f"eval {label}: avg@1 {row['avg@1']:.3f}  best-of-{k} {row[f'best_of_{k}']:.3f}  pass@{k} "
+          f"{row[f'pass@{k}']:.3f}  parsed tool call {row['parsed_tool_call']:.2f}  wrote answer.txt "
+          f"{row['wrote_answer_txt']:.2f}  ({row['episodes']} episodes)")
+    return row
+
+
+def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
+    from rl.config import LossConfig as RLLossConfig
+    from rl.config import RLConfig
+    from rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
+    from rl.system.config import EvalConfig as OnlineEval
+
+    return RLSystemConfig(
+        name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
+        rl=RLConfig(learning_rate=cfg.rl_lr, loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
+        engine=engine_config(cfg),
+        env=EnvConfig(kind="ladder", rungs=("answer",), per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
+                      sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,
+                      episode=episode_config(cfg)),
+        system=SystemConfig(mode="async", steps=cfg.rl_steps, group_size=cfg.group_size,
+                            groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness,
+                            num_rollout_workers=cfg.rollout_workers, num_env_workers=1, seq_len=cfg.context,
+                            min_rows=cfg.group_size * cfg.groups_per_step, call_timeout_s=600.0,
+                            group_timeout_s=900.0),
+        eval=OnlineEval(every=0), checkpoint=CheckpointConfig(every=cfg.rl_steps, keep_last=1),
+        ray=RayConfig(num_cpus=2), dashboard=False, log_every=1, init_from=init_from)
+
+
+def stage_rl(cfg: DemoConfig, out: Path, init_hf: str, model_cfg) -> dict:
+    """Asynchronous RL with rl.system (`run_system`): Ray actors for the learner, rollout workers and an
+    environment worker; the learner starts from the CPT+SFT model's HF export (`init_from`) and the rollout
+    workers receive those weights with the version-0 packet."""
+    from rl.system.reconciler import run_system
+
+    rcfg = rl_config(cfg, out, model_cfg, init_hf)
+    summary = run_system(rcfg)
+    hist = summary["history"]
+    rewards = [h["reward/mean"] for h in hist]
+    print(f"rl: {summary['steps']} steps in {summary['wall_s']:.1f}s; reward per step "
+          f"{[round(r, 3) for r in rewards]}; staleness max {[h['staleness/batch_max'] for h in hist]}")
+    slim = {k: v for k, v in summary.items() if k not in ("worker_info",)}
+    (out / "rl" / "demo_summary.json").write_text(json.dumps(slim, indent=1, default=float))
+    return {"summary": slim, "init_from": init_hf, "run_dir": str(rcfg.run_dir), "config": rcfg}
+
+
+def final_rl_model(rcfg):
+    """The learner's newest Orbax checkpoint as a model (restored in this process, outside Ray)."""
+    from flax import nnx
+
+    from rl.system.backends import RLLearner
+
+    learner = RLLearner(rcfg, rcfg.run_dir)
+    try:
+        version = learner.restore()
+        if version == 0:
+            raise RuntimeError(f"no RL checkpoint under {rcfg.run_dir / 'checkpoints'}")
+        graphdef = nnx.split(nnx.eval_shape(lambda: _init(rcfg.model)), nnx.Param, ...)[0]
+        return nnx.merge(graphdef, learner.state.params, learner.state.model_state), version
+    finally:
+        learner.ckpt.close()
+
+
+def _init(model_cfg):
+    from models.transformer import init
+
+    return init(model_cfg, seed=0)
+
+
+def stage_hf(cfg: DemoConfig, out: Path, model, probe_ids: list[int]) -> dict:
+    """Write the final model in Hugging Face DeepseekV3 format, reload it with transformers, compare logits."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models import hf
+
+    path = out / "hf"
+    hf.save_pretrained(model, path)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = np.asarray(probe_ids, np.int64)[None]
+    with torch.no_grad():
+        ref = hf_model(torch.from_numpy(ids)).logits.numpy()
+    ours = np.asarray(model(jnp.asarray(ids, jnp.int32)).logits, np.float32)
+    rel = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+    argmax = float((ours.argmax(-1) == ref.argmax(-1)).mean())
+    print(f"saved {path}; transformers {type(hf_model).__name__} vs c2jax on {ids.shape[1]} tokens: relative L2 "
+          f"{rel:.2e}, argmax agreement {argmax:.4f}")
+    return {"path": str(path), "tokens": int(ids.shape[1]), "rel_l2": rel, "argmax_agreement": argmax,
+            "hf_class": type(hf_model).__name__, "ok": rel <= 1e-4}
+
+
+# ------------------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> DemoConfig:
+    parser = argparse.ArgumentParser(prog="python -m experiments.demo",
+                                     description="c2jax end to end on CPU: info, pretraining, CPT + SFT, async RL, "
+                                                 "eval before/after, HF export, report.")
+    defaults = DemoConfig()
+    for f in dataclasses.fields(DemoConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "quick":
+            parser.add_argument(flag, action="store_true", help="tiny sizes, a step or two per stage (the test)")
+        else:
+            parser.add_argument(flag, type=type(getattr(defaults, f.name)), default=None,
+                                help=f"default {getattr(defaults, f.name)!r}")
+    args = vars(parser.parse_args(argv))
+    values = DemoConfig.quick_defaults() if args.pop("quick") else {}
+    values.update({k: v for k, v in args.items() if v is not None})
+    return DemoConfig(**values)
+
+
+def prepare_out(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(".jax_cache").resolve()))
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    out = Path(cfg.out)
+    prepare_out(out)
+    meta = {"config": dataclasses.asdict(cfg), "git": git_info(), "seed": cfg.seed, "machine": machine_info(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (out / "demo.json").write_text(json.dumps(meta, indent=1))
+    timer = Timer()
+    results: dict[str, Any] = {"meta": meta}
+    results["info"] = timer.run("1 info", stage_info, cfg, out)
+    data = results["data"] = timer.run("2a tool-use transcripts", stage_data, cfg, out)
+    base = results["base"] = timer.run("2b base pretraining", stage_base, cfg, out, data)
+    cpt = results["cpt"] = timer.run("2c continued pretraining + SFT", stage_cpt, cfg, out, data, base)
+    sft_model = load_hf_model(cpt["hf"])
+    results["eval_before"] = timer.run("4a eval before RL", stage_eval, cfg, out, sft_model, "before", 0)
+    rl = timer.run("3 asynchronous RL", stage_rl, cfg, out, cpt["hf"], sft_model.cfg)
+    final, version = final_rl_model(rl["config"])
+    results["rl"] = {k: v for k, v in rl.items() if k != "config"}
+    results["eval_after"] = timer.run("4b eval after RL", stage_eval, cfg, out, final, "after", version)
+    probe = json.loads(Path(data["jsonl"]).read_text().splitlines()[0])
+    from c2jax.data.tokenizer import load_tokenizer
+
+    probe_ids = load_tokenizer(data["tokenizer"]).encode(probe["prompt"] + probe["completion"])[-512:]
+    results["hf"] = timer.run("5 HF export + transformers reload", stage_hf, cfg, out, final, probe_ids)
+    results["timings"] = dict(timer.stages)
+    from experiments.demo.report import write_report
+
+    results["timings"]["6 report"] = 0.0
+    t = time.perf_counter()
+    results["total_s"] = timer.total
+    paths = write_report(cfg, out, results)
+    results["timings"]["6 report"] = time.perf_counter() - t
+    results["total_s"] = timer.total
+    paths = write_report(cfg, out, results)  # again, with the report stage's own time and the final total
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    _shutdown_ray()
+    print(f"\n== done in {results['total_s']:.0f}s ({results['total_s'] / 60:.1f} min)")
+    print(f"report:      {paths['report']}")
+    print(f"plots:       {', '.join(str(p) for p in paths['plots'])}")
+    print(f"results:     {out / 'results.json'} (eval: {out / 'eval'}/{{before,after}}/summary.json)")
+    print(f"runs:        {out / 'base'}, {out / 'cpt'} (pretraining), {out / 'rl'} (RL), {out / 'hf'} (final HF model)")
+    print(f"TensorBoard: tensorboard --logdir {out}")
+    if not results["hf"]["ok"]:
+        raise SystemExit(f"HF parity failed: relative error {results['hf']['rel_l2']:.2e} > 1e-4")
+    return results
+
+
+def _shutdown_ray() -> None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except ImportError:
+        pass

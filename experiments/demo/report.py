@@ -1,0 +1,213 @@
+"""runs/demo/REPORT.md and its plots (matplotlib, Agg): pretraining loss per phase, RL reward and staleness
+over steps, eval before vs after RL. Every number comes from the run's results; nothing is filled in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_pretraining(results: dict, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    offset = 0
+    for run in ("base", "cpt"):
+        r = results[run]
+        for p in r["phases"]:
+            xs = list(range(offset + p["start"] + 1, offset + p["start"] + p["steps"] + 1))
+            ax.plot(xs, r["losses"][p["start"]:p["start"] + p["steps"]], lw=1, marker=".", ms=3,
+                    label=f"{run}/{p['name']} (train)")
+        for e in r["evals"]:
+            for k, v in e.items():
+                if k.startswith("eval_loss/"):
+                    ax.scatter([offset + e["step"]], [v], marker="x", color="k", zorder=3, s=20)
+        offset += sum(p["steps"] for p in r["phases"])
+    ax.scatter([], [], marker="x", color="k", label="held-out eval loss")
+    ax.set_xlabel("step (base, then continued pretraining)")
+    ax.set_ylabel("loss (nats / byte token)")
+    ax.set_title("Pretraining loss per phase")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_rl(results: dict, path: Path) -> Path:
+    plt = _plt()
+    hist = results["rl"]["summary"]["history"]
+    steps = [h["step"] for h in hist]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(steps, [h["reward/mean"] for h in hist], marker="o")
+    a.set_xlabel("learner step (policy version)")
+    a.set_ylabel("mean reward of the trained batch")
+    a.set_title("RL reward")
+    a.grid(alpha=0.3)
+    b.plot(steps, [h["staleness/batch_max"] for h in hist], marker="o", label="max")
+    b.plot(steps, [h["staleness/batch_mean"] for h in hist], marker=".", label="mean")
+    b.set_xlabel("learner step")
+    b.set_ylabel("staleness (versions behind the learner)")
+    b.set_title("Staleness of trained tokens")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_eval(results: dict, k: int, path: Path) -> Path:
+    plt = _plt()
+    before, after = results["eval_before"], results["eval_after"]
+    keys = [key for key in ("avg@1", f"best_of_{k}", f"pass@{k}", "tool_call_attempted", "parsed_tool_call",
+                            "wrote_answer_txt") if key in before and key in after]
+    xs = range(len(keys))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for shift, row, name in ((-0.2, before, "before RL (CPT+SFT)"), (0.2, after, "after RL")):
+        bars = ax.bar([x + shift for x in xs], [row[key] for key in keys], width=0.4, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(list(xs), keys)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("fraction")
+    ax.set_title(f"Held-out ladder tasks ({before['tasks']} tasks x {before['samples_per_task']} samples)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _same_samples(out: Path) -> bool:
+    """Whether the eval after RL produced exactly the samples of the eval before RL (measured, not assumed)."""
+    import json
+
+    def read(label):
+        rows = [json.loads(line) for line in (out / "eval" / label / "samples.jsonl").read_text().splitlines()]
+        return {(r["task_id"], r["sample"]): (r["final_message"], r["patch"], r["completion_tokens"]) for r in rows}
+
+    return read("before") == read("after")
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def write_report(cfg, out: Path, results: dict) -> dict:
+    plots_dir = out / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    k = cfg.eval_k
+    plots = [plot_pretraining(results, plots_dir / "pretraining_loss.png"),
+             plot_rl(results, plots_dir / "rl_reward_staleness.png"),
+             plot_eval(results, k, plots_dir / "eval_before_after.png")]
+    meta, data, rl, hf = results["meta"], results["data"], results["rl"], results["hf"]
+    summ = rl["summary"]
+    hist = summ["history"]
+    before, after = results["eval_before"], results["eval_after"]
+    L = []
+    L.append("# c2jax end-to-end demo\n")
+    L.append(f"Run {meta['started']}, git commit `{meta['git']['commit']}`"
+             f"{' (working tree dirty)' if meta['git']['dirty'] else ''}, seed {meta['seed']}"
+             f"{', **--quick** sizes' if cfg.quick else ''}. Machine: {meta['machine']['cpus']} CPUs, load average "
+             f"{meta['machine']['load_avg_1_5_15']} at the start (shared with other jobs), JAX "
+             f"{meta['machine']['jax']} on {meta['machine']['backend']}. Sandbox: `{cfg.sandbox_kind()}`.\n")
+    L.append(f"**Total wall time: {results['total_s']:.0f} s ({results['total_s'] / 60:.1f} min).**\n")
+    L.append("| stage | wall s |\n|---|---|")
+    for name, s in results["timings"].items():
+        L.append(f"| {name} | {s:.1f} |")
+    L.append("")
+    L.append("## 1. Kimi K2.5 from abstract shapes\n")
+    L.append("`c2jax info kimi-k2.5` (nothing allocated): see [`info.txt`](info.txt).\n")
+    L.append("## 2. Pretraining, continued pretraining, SFT\n")
+    L.append(f"Byte-level model (vocab 264: the RL harness's byte tokenizer, 256 bytes + 8 chat tokens; the data "
+             "pipeline uses the same ids with only <|im_start|>/<|im_end|> special, as the harness renders "
+             f"environment text, so tool-call tags are bytes), hidden "
+             f"{cfg.hidden}, {cfg.layers} layers (1 dense + MoE with {cfg.experts} experts), MLA attention. "
+             f"Configs: [`base/config.yaml`](base/config.yaml), [`cpt/config.yaml`](cpt/config.yaml), "
+             f"[`data/sft_data.yaml`](data/sft_data.yaml).\n")
+    L.append(f"Tool-use transcripts: the scripted oracle solved {data['tasks']} TRAIN ladder tasks (`answer` rung, "
+             f"terse prompts) through the harness; {data['oracle_resolved']}/{data['oracle_graded']} graded episodes "
+             f"resolved; {data['records']} prompt/completion records; {data['dropped_overlapping_heldout']} train "
+             f"tasks dropped because their prompt also occurs in the held-out set. Prompt {data['prompt_tokens']} "
+             "tokens "
+             f"(system prompt with the tool schemas + task), completion {data['completion_tokens']} tokens, e.g. "
+             f"`{data['completion_example']!r}`. The SFT prompt tokens were checked to equal the RL renderer's.\n")
+    L.append("| run / phase | steps | seq | first loss | last loss | mean of last 5 |\n|---|---|---|---|---|---|")
+    seqs = {"base": cfg.base_seq, "code": cfg.code_seq, "long": cfg.long_seq, "sft": cfg.context}
+    for run in ("base", "cpt"):
+        for p in results[run]["phases"]:
+            L.append(f"| {run}/{p['name']} | {p['steps']} | {seqs[p['name']]} | {p['first_loss']:.3f} | "
+                     f"{p['last_loss']:.3f} | {p['mean_last_5']:.3f} |")
+    L.append("")
+    ev = [(run, e["step"], kk, v) for run in ("base", "cpt") for e in results[run]["evals"]
+          for kk, v in e.items() if kk.startswith("eval_loss/")]
+    if ev:
+        L.append("Held-out eval loss (short-context phases): " +
+                 ", ".join(f"{run} step {s} {kk.split('/')[1]} {v:.3f}" for run, s, kk, v in ev) + ".\n")
+    L.append("The SFT loss is on completion tokens only (the tool call); the long phase uses YaRN "
+             f"(factor {cfg.max_position_embeddings / cfg.code_seq:g} over {cfg.code_seq}).\n")
+    L.append("![pretraining loss](plots/pretraining_loss.png)\n")
+    L.append("## 3. Asynchronous RL (rl.system)\n")
+    L.append(f"Started from the CPT+SFT model (`init_from: {rl['init_from']}`): the learner loads it, the rollout "
+             "workers get it with the version-0 weight packet.\n")
+    rewards = [h["reward/mean"] for h in hist]
+    L.append(f"{summ['steps']} learner steps in {summ['wall_s']:.0f} s, mode async, group size {cfg.group_size}, "
+             f"{cfg.groups_per_step} group(s) per step, max staleness {cfg.max_staleness}, {cfg.rollout_workers} "
+             f"rollout worker(s). Config: [`rl/config.yaml`](rl/config.yaml).\n")
+    L.append("| step | mean reward | staleness max | staleness mean | tokens trained |\n|---|---|---|---|---|")
+    for h in hist:
+        L.append(f"| {h['step']} | {h['reward/mean']:.3f} | {h['staleness/batch_max']} | "
+                 f"{h['staleness/batch_mean']:.2f} | {h.get('tokens_trained', float('nan')):.0f} |")
+    L.append("")
+    counts = summ.get("counts", {})
+    L.append(f"Counts: {', '.join(f'{kk} {v}' for kk, v in sorted(counts.items()))}.\n")
+    if max(rewards, default=0.0) == 0.0:
+        same = _same_samples(out)
+        L.append("**The RL reward stayed 0 in every step**: no sampled episode wrote the right answer, so every "
+                 "group had zero advantage and a zero policy gradient"
+                 + (" (no KL or entropy term either), and the policy did not change: the eval after RL repeated "
+                    "the eval before RL token for token (same seeds)" if same else "") + ".\n")
+    L.append("![rl](plots/rl_reward_staleness.png)\n")
+    L.append("## 4. Evaluation before and after RL (held-out ladder tasks)\n")
+    L.append(f"{before['tasks']} held-out `answer` tasks (ladder seed {cfg.seed + 1000}), {cfg.eval_k} samples each "
+             f"at temperature {cfg.temperature}, best-of-{k} selector: mean sampled-token log-probability "
+             "(`model_score`); "
+             "pass@K is the oracle-selector upper bound. Tool-use columns are measured from the stored trajectories. "
+             "Configs: [`eval/before/config.yaml`](eval/before/config.yaml).\n")
+    keys = ["avg@1", f"best_of_{k}", f"pass@{k}", "tool_call_attempted", "parsed_tool_call", "tool_call_ran",
+            "wrote_answer_txt", "completion_tokens_mean"]
+    keys = [key for key in keys if key in before and key in after]
+    L.append("| metric | before RL | after RL |\n|---|---|---|")
+    for key in keys:
+        L.append(f"| {key} | {_fmt(before[key])} | {_fmt(after[key])} |")
+    L.append(f"| statuses | {before['statuses']} | {after['statuses']} |")
+    L.append(f"| finish reasons | {before['finish_reasons']} | {after['finish_reasons']} |\n")
+    L.append("![eval](plots/eval_before_after.png)\n")
+    L.append("## 5. Hugging Face export\n")
+    L.append(f"Final model written to [`hf/`](hf/) (DeepseekV3 format) and reloaded with transformers "
+             f"(`{hf['hf_class']}`): logits on {hf['tokens']} tokens of a transcript match c2jax with relative L2 "
+             f"error {hf['rel_l2']:.2e} (argmax agreement {hf['argmax_agreement']:.4f}; threshold 1e-4: "
+             f"{'pass' if hf['ok'] else 'FAIL'}).\n")
+    L.append("## 6. Files and TensorBoard\n")
+    L.append("- `demo.json`: demo config, git commit, seed, machine; `results.json`: every number above\n"
+             "- `base/`, `cpt/`: pretraining runs (`config.yaml`, `metrics.jsonl`, `tensorboard/`, `checkpoints/`, "
+             "`hf/`)\n"
+             "- `data/`: tokenizer-compatible SFT transcripts (`sft_tool_use.jsonl`) and the ladder tasks used\n"
+             "- `rl/`: RL run (`config.yaml`, `metrics.jsonl`, `tensorboard/`, `groups.jsonl`, `events.jsonl`, "
+             "`checkpoints/`)\n"
+             "- `eval/{before,after}/`: `samples.jsonl`, `trajectories.jsonl`, `summary.json`, `config.yaml`; "
+             "`eval/tensorboard/`\n- `hf/`: the final model\n")
+    L.append(f"TensorBoard: `tensorboard --logdir {out}`\n")
+    report = out / "REPORT.md"
+    report.write_text("\n".join(L))
+    return {"report": report, "plots": plots}

@@ -1,0 +1,91 @@
+"""Tool-use SFT data made on the fly: the scripted oracle agent solves TRAIN ladder tasks through the real
+harness (tools in a sandbox, graded by the task's hidden tests), and every assistant turn becomes one
+prompt/completion JSONL record, rendered exactly as the sampler sees it.
+
+    prompt      <|im_start|>system\\n{system prompt with tool schemas}<|im_end|>\\n<|im_start|>user\\n{task}
+                <|im_end|>\\n ... <|im_start|>assistant\\n          (everything before the assistant turn)
+    completion  <tool_call>\\n{"name": "write_file", "arguments": {...}}\\n</tool_call>
+                (the data pipeline appends the tokenizer's eos, which is <|im_end|>, the sampler's stop token;
+                its tokenizer keeps only the turn markers special: see pipeline.data_tokenizer)
+
+The loss mask of the SFT phase (`loss_mask: completion`) trains only the completion.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rl.eval.agents import oracle_turns
+from rl.harness import EpisodeConfig, EpisodeTask, ScriptedAgent, default_registry, run_episode
+from rl.harness.chat_format import message_body, render_messages_text
+from rl.tasks.grading import grade
+from rl.tasks.patches import split_patch
+from rl.tasks.task import Task
+
+
+def added_files(patch: str) -> dict[str, str] | None:
+    """{path: content} when the patch only creates new files (the `answer`/`lookup` rungs), else None."""
+    files = {}
+    for path, section in split_patch(patch):
+        lines = section.splitlines(keepends=True)
+        if not any(line.startswith("--- /dev/null") for line in lines):
+            return None
+        body, in_hunk = [], False
+        for line in lines:
+            if line.startswith("@@"):
+                in_hunk = True
+            elif in_hunk and line.startswith("+"):
+                body.append(line[1:])
+            elif in_hunk and line.startswith("\\ No newline"):
+                body[-1] = body[-1].rstrip("\n")
+        files[path] = "".join(body)
+    return files or None
+
+
+def direct_oracle_turns(task: Task) -> list[list[dict]]:
+    """The shortest correct tool use for the task: one turn writing the reference's new files directly
+    (`write_file`), or, for tasks that edit existing files, rl.eval's patch-applying oracle."""
+    files = added_files(task.solution_patch or "")
+    if files is None:
+        return oracle_turns(task)
+    return [[{"name": "write_file", "arguments": {"path": p, "content": c}} for p, c in sorted(files.items())]]
+
+
+def sft_records(messages: list[dict]) -> list[dict]:
+    """One {prompt, completion} record per assistant turn of a conversation (OpenAI-style messages)."""
+    records = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            records.append({"prompt": render_messages_text(messages[:i], add_generation_prompt=True),
+                            "completion": message_body(m)})
+    return records
+
+
+def write_transcripts(tasks: list[Task], out: Path, episode: EpisodeConfig, sandbox_factory, *,
+                      prompt_level: str = "terse", grade_first: int = 8, seed: int = 0) -> dict:
+    """Runs the oracle on every task, writes `out` (JSONL of prompt/completion) and returns statistics.
+    The first `grade_first` episodes are graded by the task's tests: an oracle that fails is an error."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n_records, graded, resolved, finish = 0, 0, 0, {}
+    with out.open("w") as f:
+        for i, task in enumerate(tasks):
+            agent = ScriptedAgent(direct_oracle_turns(task), name="scripted-oracle", tools_in_system_prompt=True)
+            with sandbox_factory(task.repo_dir) as sandbox:
+                traj = run_episode(agent, sandbox, EpisodeTask(task.id, task.prompt(prompt_level)),
+                                   default_registry(), episode, seed=seed + i)
+            if traj.finish_reason == "error":
+                raise RuntimeError(f"oracle episode on {task.id} failed:\n{traj.error}")
+            finish[traj.finish_reason] = finish.get(traj.finish_reason, 0) + 1
+            if i < grade_first:
+                result = grade(task, traj.final_diff or None, sandbox_factory)
+                graded += 1
+                resolved += int(result.resolved)
+                if not result.resolved:
+                    raise RuntimeError(f"the scripted oracle did not solve {task.id}: {result.status}")
+            for seg in traj.segments:
+                for rec in sft_records(seg.messages):
+                    f.write(json.dumps({**rec, "task_id": task.id}) + "\n")
+                    n_records += 1
+    return {"tasks": len(tasks), "records": n_records, "oracle_graded": graded, "oracle_resolved": resolved,
+            "finish_reasons": finish}

@@ -1,0 +1,49 @@
+"""`make demo` end to end in --quick mode: every stage runs (info, pretraining, CPT + SFT on oracle
+transcripts, async RL on Ray, eval before/after, HF round trip, report) and writes what it promises."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_demo_quick_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # one CPU device, as `make demo` runs (conftest fakes 8 for the sharding tests)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    proc = subprocess.run([sys.executable, "-m", "experiments.demo", "--quick", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"tensorboard --logdir {out}" in proc.stdout
+
+    report = (out / "REPORT.md").read_text()
+    for section in ("Kimi K2.5", "Pretraining", "Asynchronous RL", "before and after RL", "Hugging Face",
+                    "TensorBoard"):
+        assert section in report
+    for name in ("pretraining_loss", "rl_reward_staleness", "eval_before_after"):
+        png = out / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for run in ("base", "cpt", "rl", "eval"):
+        assert list((out / run / "tensorboard").glob("events.out.tfevents.*")), f"no TensorBoard events in {run}"
+    for cfg in ("base/config.yaml", "cpt/config.yaml", "rl/config.yaml", "eval/before/config.yaml",
+                "data/sft_data.yaml"):
+        assert (out / cfg).is_file(), cfg
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["git"]["commit"] and results["meta"]["seed"] == 0
+    assert results["data"]["oracle_resolved"] == results["data"]["oracle_graded"] > 0
+    assert [p["name"] for p in results["cpt"]["phases"]] == ["code", "long", "sft"]
+    assert results["rl"]["summary"]["steps"] >= 1
+    for label in ("before", "after"):
+        summary = json.loads((out / "eval" / label / "summary.json").read_text())
+        assert summary["demo"]["episodes"] == summary["summary"]["episodes"] >= 2
+        assert 0.0 <= summary["demo"]["avg@1"] <= summary["demo"]["pass@2"] <= 1.0
+    assert results["hf"]["ok"] and results["hf"]["rel_l2"] <= 1e-4
+    assert set(results["timings"]) >= {"1 info", "3 asynchronous RL", "5 HF export + transformers reload"}
