@@ -552,3 +552,18 @@ def test_scripted_solution_on_bwrap_sandbox(repo):
                            default_registry(), reward_fn=grade)
     assert traj.finish_reason == "submitted" and traj.reward == 1.0, traj.error
     assert "+    return a + b" in traj.final_diff
+
+
+def test_signature_tool_listing_names_every_tool_and_marks_optional_args():
+    from rl.harness.chat_format import tool_signatures
+
+    tools = default_registry()
+    listing = tool_signatures(tools).splitlines()
+    assert [line.split("(")[0] for line in listing] == tools.names
+    assert "edit_file(path, old_string, new_string, replace_all?)" in listing  # required first, as in the schema
+    short = build_system_prompt(tools, tool_schemas="signatures")
+    assert len(short) < len(build_system_prompt(tools)) / 4 and "<tool_call>" in short
+    with pytest.raises(ValueError, match="tool_schemas"):
+        build_system_prompt(tools, tool_schemas="terse")
+    with pytest.raises(ValueError, match="tool_schemas"):
+        EpisodeConfig(tool_schemas="terse")

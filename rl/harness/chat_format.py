@@ -122,11 +122,35 @@ DEFAULT_SYSTEM = (
 )
 
 
+TOOL_SCHEMA_MODES = ("full", "signatures")
+
+
+def tool_signatures(registry: ToolRegistry) -> str:
+    """One line per tool, `name(required, optional?)`: the compact listing for small models whose context
+    cannot hold the JSON schemas (10 tools: ~4.7k bytes of schemas against ~0.3k here). Arguments are
+    still validated against the full schemas."""
+    lines = []
+    for schema in registry.openai_schemas():
+        fn = schema["function"]
+        params = fn.get("parameters", {})
+        required = params.get("required", [])
+        args = [a if a in required else f"{a}?" for a in params.get("properties", {})]
+        lines.append(f"{fn['name']}({', '.join(args)})")
+    return "\n".join(lines)
+
+
 def build_system_prompt(registry: ToolRegistry, instructions: str = DEFAULT_SYSTEM,
-                        include_tool_schemas: bool = True) -> str:
-    """The system prompt; token-level agents need the tool schemas in it, API agents get them as `tools=`."""
+                        include_tool_schemas: bool = True, tool_schemas: str = "full") -> str:
+    """The system prompt; token-level agents need the tools in it (`tool_schemas="full"`: JSON schemas,
+    `"signatures"`: one line per tool), API agents get them as `tools=`."""
+    if tool_schemas not in TOOL_SCHEMA_MODES:
+        raise ValueError(f"tool_schemas must be one of {TOOL_SCHEMA_MODES}, got {tool_schemas!r}")
     if not include_tool_schemas:
         return instructions
+    if tool_schemas == "signatures":
+        return (f"{instructions}\n\n# Tools\n<tools>\n{tool_signatures(registry)}\n</tools>\n"
+                f"Call a tool as {render_tool_call('read_file', {'path': 'README.md'})}\n"
+                "A turn without tool calls ends the episode.")
     schemas = "\n".join(json.dumps(s, ensure_ascii=False) for s in registry.openai_schemas())
     return (f"{instructions}\n\n# Tools\n\nYou may call one or more tools in a turn. The tools, as JSON "
             f"schemas:\n<tools>\n{schemas}\n</tools>\n\nFor each call write a JSON object with the tool name "

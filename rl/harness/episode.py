@@ -55,12 +55,17 @@ class EpisodeConfig:
     end_on_no_tool_calls: bool = True  # a turn without tool calls is the final message
     temperature: float = 1.0
     system_instructions: str = DEFAULT_SYSTEM
+    # how token-level agents see the tools: "full" JSON schemas, or "signatures" (one line per tool) for
+    # small models with short contexts
+    tool_schemas: str = "full"
 
     def __post_init__(self):
         for name in ("max_turns", "max_model_tokens", "max_new_tokens_per_turn", "max_context_tokens",
                      "summary_max_new_tokens", "max_tool_calls_per_turn", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EpisodeConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.tool_schemas not in ("full", "signatures"):
+            raise ValueError(f"EpisodeConfig.tool_schemas must be 'full' or 'signatures', got {self.tool_schemas!r}")
         if self.wall_clock_s <= 0:
             raise ValueError(f"EpisodeConfig.wall_clock_s must be positive, got {self.wall_clock_s}")
         trig = self.summary_trigger_tokens
@@ -122,7 +127,8 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
                       deadline=t0 + config.wall_clock_s)
     traj = Trajectory(trajectory_id or uuid.uuid4().hex, task.task_id, agent.name,
                       metadata={**task.metadata, **(metadata or {}), "seed": seed})
-    system = build_system_prompt(tools, config.system_instructions, agent.tools_in_system_prompt)
+    system = build_system_prompt(tools, config.system_instructions, agent.tools_in_system_prompt,
+                                 config.tool_schemas)
     totals = {"model_s": 0.0, "tool_s": 0.0, "summary_s": 0.0}
     generated = 0
 
