@@ -142,3 +142,17 @@ def test_approximate_division_changes_nvfp4_codes_never_mxfp8(tmp_path):
     # tensor there is one scale s_dec for all rows, which may or may not put bf16 values on ties: not asserted
     for fmt in ("nvfp4_per_token", "fp8_deepseek"):
         assert 0.0 < stats[f"gaussian_bf16/{fmt}"]["elements_differing_fraction"] < 1e-2
+
+
+def test_full_scale_rl_config_is_the_report_setup():
+    from rl.system.config import load_system_config
+
+    cfg = load_system_config(CONFIGS / "rl_composer2_k2.5.yaml")
+    assert cfg.model.n_routed_experts == 384 and cfg.model.moe_quant == "nvfp4_per_token_fwd+mxfp8_bwd"
+    assert cfg.model.moe_quant_division == "ieee"
+    assert not cfg.rl.advantage.std_normalize and cfg.rl.loss.aggregation == "constant"  # Dr. GRPO
+    assert cfg.rl.kl.estimator == "k1" and cfg.rl.kl.placement == "reward" and cfg.rl.kl.coef > 0
+    assert cfg.rl.reward.length_penalty.scale > 0 and 0 < cfg.rl.reward.length_penalty.q < 1  # concave
+    assert cfg.router_replay and cfg.system.mode == "async"
+    assert cfg.env.episode.summary_trigger_tokens is not None  # self-summarization on long episodes
+    assert load_pretrain_config(CONFIGS / "composer2_k2.5.yaml").model.moe_quant == cfg.model.moe_quant
