@@ -39,6 +39,10 @@ def test_demo_quick_end_to_end(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["git"]["commit"] and results["meta"]["seed"] == 0
     assert results["data"]["oracle_resolved"] == results["data"]["oracle_graded"] > 0
+    # one line per tool in the system prompt, so SFT, RL and eval fit the short context
+    data = results["data"]
+    assert data["tool_schemas"] == "signatures"
+    assert data["prompt_tokens"] + data["completion_tokens"] < results["meta"]["config"]["context"]
     assert [p["name"] for p in results["cpt"]["phases"]] == ["code", "long", "sft"]
     assert results["rl"]["summary"]["steps"] >= 1
     for label in ("before", "after"):

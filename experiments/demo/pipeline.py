@@ -26,11 +26,15 @@ from typing import Any
 OUTPUTS = ("info.txt", "tokenizer", "data", "base", "cpt", "rl", "eval", "hf", "plots", "REPORT.md",
            "demo.json", "results.json")
 BYTE_VOCAB = 264  # rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
+# The demo's system prompt: short instructions and one line per tool (`tool_schemas="signatures"`), ~0.6k byte
+# tokens instead of ~4.9k with the full JSON schemas, so SFT, RL and eval fit a 1k-token context on CPU.
+SYSTEM_INSTRUCTIONS = "You are a coding agent working in a repository at /workspace."
+TOOL_SCHEMAS = "signatures"
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Sizes of every stage. Defaults: `make demo` (CPU, 2 cores, < 15 min); `quick()`: the test."""
+    """Sizes of every stage. Defaults: `make demo` (CPU, 2 cores, < 10 min); `quick_defaults()`: the test."""
 
     out: str = "runs/demo"
     seed: int = 0
@@ -51,26 +55,26 @@ class DemoConfig:
     code_seq: int = 512
     code_batch: int = 8
     long_steps: int = 4
-    long_seq: int = 2048
-    long_batch: int = 1
-    sft_steps: int = 140
-    sft_batch: int = 1
+    long_seq: int = 1024
+    long_batch: int = 4
+    sft_steps: int = 700
+    sft_batch: int = 4
     cpt_lr: float = 5e-3
-    sft_tasks: int = 64  # TRAIN ladder tasks the scripted oracle solves for SFT transcripts
+    sft_tasks: int = 256  # TRAIN ladder tasks the scripted oracle solves for SFT transcripts
     # episodes (SFT rendering, RL and eval use the same budgets)
-    context: int = 5120  # the system prompt with tool schemas alone is ~4.9k byte tokens
+    context: int = 1024  # system prompt (tool signatures) + task ~0.6k byte tokens, + max_new_tokens
     max_new_tokens: int = 120  # one write_file call for answer.txt is ~105 byte tokens + <|im_end|>
     temperature: float = 1.0
     # asynchronous RL (rl.system) on the ladder's `answer` rung
-    rl_steps: int = 4
+    rl_steps: int = 16
     rl_tasks: int = 8
-    group_size: int = 4
+    group_size: int = 8
     groups_per_step: int = 1
     rollout_workers: int = 1
     max_staleness: int = 1
     rl_lr: float = 3e-4
     # evaluation on HELD-OUT ladder tasks (another seed)
-    eval_tasks: int = 4
+    eval_tasks: int = 8
     eval_k: int = 4
     sandbox: str = "auto"  # bwrap when installed, else local (the ladder's tasks are generated here)
 
@@ -86,14 +90,15 @@ class DemoConfig:
 
     @classmethod
     def quick_defaults(cls) -> dict[str, Any]:
-        """Tiny sizes, one or two steps per stage: the whole pipeline in about a minute and a half."""
-        return dict(quick=True, hidden=32, max_documents=200, base_steps=3, base_batch=4, code_steps=2,
-                    code_seq=256, code_batch=4, long_steps=1, long_seq=1024, sft_steps=2, sft_tasks=4,
-                    max_new_tokens=16, rl_steps=1, rl_tasks=2, group_size=2, eval_tasks=1, eval_k=2)
+        """Tiny sizes, one or two steps per stage, 768-token contexts: the whole pipeline in about a minute."""
+        return dict(quick=True, hidden=32, max_documents=64, base_steps=2, base_batch=4, code_steps=1,
+                    code_seq=256, code_batch=4, long_steps=1, long_seq=768, long_batch=1, sft_steps=2, sft_batch=1,
+                    sft_tasks=4, context=768, max_new_tokens=16, rl_steps=1, rl_tasks=2, group_size=2,
+                    eval_tasks=1, eval_k=2)
 
     @property
     def max_position_embeddings(self) -> int:
-        return 8192
+        return 4 * self.code_seq  # YaRN factor 4 over the short-context phases
 
     def sandbox_kind(self) -> str:
         if self.sandbox != "auto":
@@ -161,8 +166,10 @@ def episode_config(cfg: DemoConfig):
     from rl.harness import EpisodeConfig
 
     # one turn: the `answer` rung is solved by one write_file call; the episode then ends and is graded
+    # one prompt for transcripts, SFT, RL and eval: short instructions and one line per tool
     return EpisodeConfig(max_turns=1, max_model_tokens=cfg.max_new_tokens, max_new_tokens_per_turn=cfg.max_new_tokens,
-                         max_context_tokens=cfg.context, wall_clock_s=600.0, temperature=cfg.temperature)
+                         max_context_tokens=cfg.context, wall_clock_s=600.0, temperature=cfg.temperature,
+                         system_instructions=SYSTEM_INSTRUCTIONS, tool_schemas=TOOL_SCHEMAS)
 
 
 def engine_config(cfg: DemoConfig):
@@ -224,13 +231,16 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     from rl.harness.chat_format import build_system_prompt
 
     task = next(t for t in kept if t.id == first["task_id"])
+    ep = episode_config(cfg)
+    system = build_system_prompt(default_registry(), ep.system_instructions, tool_schemas=ep.tool_schemas)
     renderer_ids = ChatRenderer(tok).render_prompt([
-        {"role": "system", "content": build_system_prompt(default_registry(), episode_config(cfg).system_instructions)},
+        {"role": "system", "content": system},
         {"role": "user", "content": task.prompt("terse")}])
     if data_ids != renderer_ids:
         raise RuntimeError("SFT prompt tokens differ from the harness renderer's: the SFT data would not match "
                            "what the policy sees during RL")
-    stats.update(prompt_tokens=len(data_ids), completion_example=first["completion"],
+    stats.update(prompt_tokens=len(data_ids), system_prompt_tokens=len(system.encode()),  # byte tokens
+                 tool_schemas=ep.tool_schemas, completion_example=first["completion"],
                  completion_tokens=len(load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["completion"])) + 1,
                  jsonl=str(jsonl), tokenizer=str(tok_dir / "tokenizer.json"))
     if stats["prompt_tokens"] + stats["completion_tokens"] + 1 > cfg.context:
@@ -258,7 +268,7 @@ def data_tokenizer(harness_tokenizer):
 
 
 def _short_eval_sources(max_seq: int):
-    """Held-out eval loss in the short-context phases only (a 5k-token eval step would cost a compile)."""
+    """Held-out eval loss in the short-context phases only (a long-context eval step would cost a compile)."""
     from c2jax.train.loop import data_eval_sources
 
     def sources(cfg, phase):
@@ -271,7 +281,7 @@ def _short_eval_sources(max_seq: int):
 def _train(pcfg) -> dict:
     from c2jax.train.loop import Trainer
 
-    trainer = Trainer(pcfg, eval_sources=_short_eval_sources(1024))
+    trainer = Trainer(pcfg, eval_sources=_short_eval_sources(pcfg.data.get("seq_len", 512)))
     try:
         result = trainer.run()
     finally:
@@ -310,7 +320,7 @@ def stage_base(cfg: DemoConfig, out: Path, data: dict) -> dict:
         loss=LossConfig(mtp_weight=0.0, router_bias_rate=1e-3),
         phases=(PhaseConfig(name="base", steps=cfg.base_steps),),
         checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
-        eval=EvalConfig(every=max(1, cfg.base_steps // 4), batches=2), export_hf=True,
+        eval=EvalConfig(every=cfg.base_steps if cfg.quick else max(1, cfg.base_steps // 4), batches=2), export_hf=True,
         log_every=max(1, cfg.base_steps // 40), progress=not cfg.quick)
     res = _train(pcfg)
     p = res["phases"][0]
@@ -360,7 +370,7 @@ def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
                 PhaseConfig(name="sft", steps=cfg.sft_steps, seq_len=cfg.context, batch_size=cfg.sft_batch,
                             rope_scaling=rope, data=str(sft_data), loss_mask="completion")),
         checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
-        eval=EvalConfig(every=max(1, cfg.code_steps // 3), batches=2), export_hf=True,
+        eval=EvalConfig(every=cfg.code_steps if cfg.quick else max(1, cfg.code_steps // 3), batches=2), export_hf=True,
         log_every=max(1, (cfg.code_steps + cfg.long_steps + cfg.sft_steps) // 40), progress=not cfg.quick)
     res = _train(pcfg)
     for p in res["phases"]:
@@ -562,6 +572,8 @@ def prepare_out(out: Path) -> None:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(".jax_cache").resolve()))
+    # cache every compilation, also the many sub-second ones of the tiny models (the Ray workers inherit this)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     import jax
 
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

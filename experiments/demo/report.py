@@ -139,8 +139,9 @@ def write_report(cfg, out: Path, results: dict) -> dict:
              f"terse prompts) through the harness; {data['oracle_resolved']}/{data['oracle_graded']} graded episodes "
              f"resolved; {data['records']} prompt/completion records; {data['dropped_overlapping_heldout']} train "
              f"tasks dropped because their prompt also occurs in the held-out set. Prompt {data['prompt_tokens']} "
-             "tokens "
-             f"(system prompt with the tool schemas + task), completion {data['completion_tokens']} tokens, e.g. "
+             "tokens (system prompt: short instructions and one line per tool, "
+             f"`tool_schemas={data['tool_schemas']!r}`, {data['system_prompt_tokens']} tokens; + the task), "
+             f"completion {data['completion_tokens']} tokens, e.g. "
              f"`{data['completion_example']!r}`. The SFT prompt tokens were checked to equal the RL renderer's.\n")
     L.append("| run / phase | steps | seq | first loss | last loss | mean of last 5 |\n|---|---|---|---|---|---|")
     seqs = {"base": cfg.base_seq, "code": cfg.code_seq, "long": cfg.long_seq, "sft": cfg.context}

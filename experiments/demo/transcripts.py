@@ -2,7 +2,7 @@
 harness (tools in a sandbox, graded by the task's hidden tests), and every assistant turn becomes one
 prompt/completion JSONL record, rendered exactly as the sampler sees it.
 
-    prompt      <|im_start|>system\\n{system prompt with tool schemas}<|im_end|>\\n<|im_start|>user\\n{task}
+    prompt      <|im_start|>system\\n{system prompt listing the tools}<|im_end|>\\n<|im_start|>user\\n{task}
                 <|im_end|>\\n ... <|im_start|>assistant\\n          (everything before the assistant turn)
     completion  <tool_call>\\n{"name": "write_file", "arguments": {...}}\\n</tool_call>
                 (the data pipeline appends the tokenizer's eos, which is <|im_end|>, the sampler's stop token;
