@@ -1,0 +1,87 @@
+"""Ablation 10 (Composer 2 sec. 5): asynchronous vs synchronous RL throughput at bounded staleness.
+
+For each emulated environment latency, one synchronous run (generate a whole batch, then train) and one
+asynchronous run per staleness bound, all with the same components, model and CPU budget; rates are over
+the steady state (the first max_staleness + 2 steps, start-up and compilation, are left out).
+    python -m experiments.ablations.10_async_vs_sync.run [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import matplotlib
+import yaml
+from tensorboardX import SummaryWriter
+
+from experiments.ablations.provenance import git_commit
+from experiments.bench.rl_throughput import measure
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(HERE / "config.yaml"))
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--quick", action="store_true", help="one latency, one bound, few steps")
+    args = ap.parse_args(argv)
+    raw = yaml.safe_load(Path(args.config).read_text())
+    if args.quick:
+        raw = raw | {"steps": 5, "env_delay_s": [0.05], "max_staleness": [1]}
+    import ray
+
+    ray.init(num_cpus=int(raw["num_cpus"]), include_dashboard=False, logging_level="ERROR")
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as runs:
+            for delay in raw["env_delay_s"]:
+                bounds = [int(b) for b in raw["max_staleness"]]
+                # the sync baseline uses the smallest warm-up of the async arms it is compared with
+                for mode, bound in [("sync", min(bounds)), *(("async", b) for b in bounds)]:
+                    row = measure(mode, int(raw["steps"]), float(delay), bound, Path(runs), [], bound + 2)
+                    rows.append({"env_delay_s": float(delay), "max_staleness": bound if mode == "async" else 0,
+                                 **row})
+                    print(f"delay {delay:.2f}s {mode:5s} bound {bound}: {row['samples_per_s']:.1f} samples/s, "
+                          f"learner busy {row['learner_busy']:.2f}, staleness mean {row['staleness_mean']:.2f}",
+                          flush=True)
+    finally:
+        ray.shutdown()
+    for row in rows:
+        sync = next(r for r in rows if r["env_delay_s"] == row["env_delay_s"] and r["mode"] == "sync")
+        row["speedup_over_sync"] = row["samples_per_s"] / sync["samples_per_s"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"git_commit": git_commit(), "config": raw, "rows": rows}
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    with SummaryWriter(str(out / "tb")) as tb:
+        for row in rows:
+            tag = f"delay{row['env_delay_s']}"
+            tb.add_scalar(f"samples_per_s/{tag}", row["samples_per_s"], row["max_staleness"])
+            tb.add_scalar(f"learner_busy/{tag}", row["learner_busy"], row["max_staleness"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for delay in raw["env_delay_s"]:
+        mine = [r for r in rows if r["env_delay_s"] == float(delay)]
+        axes[0].plot([r["max_staleness"] for r in mine], [r["samples_per_s"] for r in mine], "o-",
+                     label=f"env {delay}s/rollout")
+        axes[1].plot([r["max_staleness"] for r in mine], [r["learner_busy"] for r in mine], "o-",
+                     label=f"env {delay}s/rollout")
+    axes[0].set_title("samples/s (staleness 0 = sync)")
+    axes[1].set_title("learner busy fraction")
+    for ax in axes:
+        ax.set_xlabel("max staleness (versions)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "async_vs_sync.png", dpi=80)
+    plt.close(fig)
+    return result
+
+
+if __name__ == "__main__":
+    main()
