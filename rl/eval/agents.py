@@ -87,6 +87,7 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     from c2jax.data.tokenizer import load_tokenizer
     from c2jax.train.checkpoint import Checkpointer
     from c2jax.train.config import PretrainConfig
+    from c2jax.train.loop import phase_model_config
     from c2jax.train.optim import make_optimizer
     from c2jax.train.step import init_train_state
     from models.inference import EngineConfig, InferenceEngine
@@ -107,9 +108,12 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     tx, _ = make_optimizer(cfg.optimizer, cfg.total_steps)
     # shapes only: the restore fills every leaf, so the random init is never materialized
     abstract = jax.eval_shape(lambda: init_train_state(init(cfg.model, seed=cfg.seed), tx, seed=cfg.seed)[1])
-    state, _ = ckpt.restore(chosen, abstract)
+    state, meta = ckpt.restore(chosen, abstract)
     ckpt.close()
-    graphdef = nnx.split(nnx.eval_shape(lambda: init(cfg.model, seed=cfg.seed)), nnx.Param, ...)[0]
+    # the model of the phase the checkpoint was written in (a long-context phase's YaRN scaling included)
+    phase = cfg.phases[min(int(meta.get("phase", 0)), len(cfg.phases) - 1)]
+    model_cfg = phase_model_config(cfg, phase)
+    graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg, seed=cfg.seed)), nnx.Param, ...)[0]
     merged = nnx.merge(graphdef, state.params, state.model_state)
     tokenizer = load_tokenizer(cfg.data["tokenizer"])
     engine = InferenceEngine.from_model(merged, config=EngineConfig(max_len=max_len), version=chosen,
@@ -120,7 +124,13 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
 def checkpoint_factory(cfg: AgentConfig) -> AgentFactory:
     from rl.harness import ChatRenderer, SamplerAgent, add_chat_special_tokens
 
-    engine, tokenizer, step = load_checkpoint_engine(cfg.target, step=cfg.step)
+    engine, data_tokenizer, step = load_checkpoint_engine(cfg.target, step=cfg.step)
+    # the chat renderer works on a Hugging Face `tokenizers.Tokenizer` (token-in/token-out with special
+    # tokens); c2jax's HF wrapper holds one, the bytes and tiktoken tokenizers have none
+    tokenizer = getattr(data_tokenizer, "_tok", None)
+    if tokenizer is None:
+        raise ValueError(f"checkpoint agent: the run's tokenizer {data_tokenizer.name!r} is not a Hugging Face "
+                         "tokenizer.json; the chat renderer needs one (train with data.tokenizer=PATH/tokenizer.json)")
     add_chat_special_tokens(tokenizer)
     if tokenizer.get_vocab_size() > engine.cfg.vocab_size:
         raise ValueError(f"checkpoint agent: the tokenizer with chat tokens has {tokenizer.get_vocab_size()} "
