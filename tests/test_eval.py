@@ -446,3 +446,49 @@ def test_visible_tests_selector_drives_best_of_k(tmp_path):
     assert [r.selector_score for r in res.results] == [0.0, 1.0]
     acc = res.summary(_cfg(ks=(1, 2)))["accuracy"]
     assert acc["avg@1"]["mean"] == 0.5 and acc["best_of_2"]["mean"] == 1.0 and acc["pass^2"]["mean"] == 0.0
+
+
+def test_checkpoint_agent_serves_a_run_in_its_last_phase_model_and_refuses_byte_runs(tmp_path):
+    """A pretraining run directory written like the Trainer writes it (resolved config.yaml, an Orbax
+    checkpoint whose meta names the phase): the agent's engine runs the model of that phase, YaRN included,
+    with the run's tokenizer.json plus the chat tokens; a `bytes` run is refused with the reason."""
+    import jax
+
+    from c2jax.config import dump_yaml, to_dict
+    from c2jax.train.checkpoint import Checkpointer
+    from c2jax.train.config import PhaseConfig, PretrainConfig
+    from c2jax.train.optim import make_optimizer
+    from c2jax.train.step import init_train_state
+    from models.config import RopeScaling, preset
+    from models.transformer import init
+    from rl.eval.agents import make_factory
+    from rl.eval.config import AgentConfig
+    from rl.system.envs import byte_tokenizer
+
+    tok_path = tmp_path / "tokenizer.json"
+    byte_tokenizer().save(str(tok_path))  # 256 byte tokens + the chat tokens
+    model = preset("tiny").replace(vocab_size=272, num_nextn_predict_layers=0, rope_scaling=None,
+                                   max_position_embeddings=128)
+    yarn = RopeScaling(factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0)
+
+    def write_run(run: Path, tokenizer: str) -> None:
+        cfg = PretrainConfig(name="r", output_dir=str(tmp_path), model=model,
+                             data={"tokenizer": tokenizer, "seq_len": 32, "batch_size": 1},
+                             phases=(PhaseConfig(name="main", steps=1, seq_len=32),
+                                     PhaseConfig(name="long", steps=1, seq_len=128, rope_scaling=yarn)))
+        run.mkdir(parents=True)
+        dump_yaml(to_dict(cfg), run / "config.yaml")
+        tx, _ = make_optimizer(cfg.optimizer, cfg.total_steps)
+        state = init_train_state(init(model, seed=0), tx)[1]
+        ckpt = Checkpointer(run / "checkpoints", cfg.checkpoint)
+        ckpt.save(2, jax.tree.map(lambda x: x, state), {"phase": 1})
+        ckpt.close()
+
+    write_run(tmp_path / "hf_run", str(tok_path))
+    factory = make_factory(AgentConfig(kind="checkpoint", target=str(tmp_path / "hf_run")))
+    agent = factory(None, 0)
+    engine = agent.policy.engine
+    assert engine.cfg.rope_scaling == yarn and engine.version == 2
+    write_run(tmp_path / "byte_run", "bytes")
+    with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):
+        make_factory(AgentConfig(kind="checkpoint", target=str(tmp_path / "byte_run")))
