@@ -107,6 +107,9 @@ class Reconciler:
         version_ref, packet_ref = self.learner.start.options(num_returns=2).remote(cfg.resume)
         self.version = self.start_version = ray.get(version_ref, timeout=max(sc.call_timeout_s, 600))
         self.chain.add(self.version, "full", packet_ref)
+        if self.evaluator is not None:  # the starting policy is the baseline every later eval is read against
+            self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), cfg.eval.k,
+                                                           self.chain.payloads(), self.version)
         self.store = GroupStore(self.run_dir)
         self.curriculum = Curriculum(list(self.train_prompts), cfg.curriculum, cfg.seed + self.version)
         if cfg.resume:
