@@ -6,16 +6,14 @@ mean sampled-token logprob) every few learner steps, K samples per prompt.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 import matplotlib
-import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from rl.system.config import load_system_config
 from rl.system.reconciler import run_system
 
@@ -26,12 +24,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="4 steps, K=2 (for tests)")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE, "4 steps, K=2 (for tests)")
     if args.quick:
         raw = raw | {"steps": 4, "eval_every": 2, "k": 2, "eval_prompts": 4}
     with tempfile.TemporaryDirectory() as runs:

@@ -6,17 +6,15 @@ q = N(0, 1) samples x; p = N(mu, 1) is the reference; KL(q || p) = mu^2 / 2 in c
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from rl.kl import kl_estimate
 
 matplotlib.use("Agg")
@@ -47,12 +45,7 @@ def measure(mus: list[float], samples: int, seed: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="few samples (for tests)")
-    args = ap.parse_args(argv)
-    cfg = yaml.safe_load(Path(args.config).read_text())
+    args, cfg = ablation_args(argv, __doc__, HERE, "few samples (for tests)")
     samples = 2000 if args.quick else int(cfg["samples"])
     rows = measure([float(m) for m in cfg["mus"]], samples, int(cfg["seed"]))
     out = Path(args.out)

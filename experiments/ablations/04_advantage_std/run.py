@@ -9,7 +9,6 @@ and the mean |advantage| that groups with no correctness spread receive (pure no
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -17,10 +16,9 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from models.config import preset
 from models.transformer import init
 from rl.advantages import group_advantages
@@ -84,12 +82,7 @@ def summarize(runs: list[dict], last: int = 5) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="one seed, a few steps (for tests)")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE, "one seed, a few steps (for tests)")
     if args.quick:
         raw = raw | {"steps": 3, "seeds": [0], "group_size": 4}
     runs = [train(raw, arm, int(seed)) for seed in raw["seeds"] for arm in (False, True)]

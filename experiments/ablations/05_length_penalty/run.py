@@ -6,16 +6,14 @@ what concavity does to the price of one more tool call as a trajectory grows.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import matplotlib
 import numpy as np
-import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from rl.config import LengthPenaltyConfig
 from rl.length_penalty import concave_length_cost
 
@@ -41,12 +39,7 @@ def measure(cfg: dict, points: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="few points (for tests)")
-    args = ap.parse_args(argv)
-    cfg = yaml.safe_load(Path(args.config).read_text())
+    args, cfg = ablation_args(argv, __doc__, HERE, "few points (for tests)")
     points = 20 if args.quick else int(cfg["points"])
     result = {"git_commit": git_commit(), "config": cfg | {"points": points}} | measure(cfg, points)
     out = Path(args.out)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from kernels import qlinear
 
 matplotlib.use("Agg")
@@ -130,13 +129,9 @@ def training(train: dict) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true",
-                    help="32 batches, no training run (each training recipe is a ~10 s compile; for tests)")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE,
+                                "32 batches, no training run"
+                                " (each training recipe is a ~10 s compile; for tests)")
     if args.quick:
         raw = raw | {"batch_variance": raw["batch_variance"] | {"batches": 32}, "train": None}
     stats, per_batch = batch_variance(raw["batch_variance"])

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from kernels import qlinear
 
 matplotlib.use("Agg")
@@ -104,13 +103,9 @@ def training(train: dict) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true",
-                    help="256 rows, 2 distributions, no training run (a ~10 s compile per recipe; for tests)")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE,
+                                "256 rows, 2 distributions, no training run"
+                                " (a ~10 s compile per recipe; for tests)")
     if args.quick:
         raw = raw | {"quantizer": raw["quantizer"] | {"rows": 256, "distributions": ["gaussian", "gaussian_bf16"]},
                      "train": None}

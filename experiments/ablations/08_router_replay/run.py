@@ -10,7 +10,6 @@ used (`replay_ids`), so only rounding remains. Measured at several points of a s
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from pathlib import Path
@@ -20,13 +19,12 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-import yaml
 from flax import nnx
 from tensorboardX import SummaryWriter
 
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from models.config import ModelConfig, preset
 from models.transformer import init
 from rl.replay import logprob_mismatch, replay_override_fraction
@@ -96,12 +94,7 @@ def measure(cfg: ModelConfig, sampler_dtype: str, filter_ratios, params, model_s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="two checkpoints, two eval batches (for tests)")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE, "two checkpoints, two eval batches (for tests)")
     if args.quick:
         raw = raw | {"train_steps": [0, 2], "eval_batches": 1, "batch_size": 4, "seq_len": 64}
     cfg = model_config(raw["model"])

@@ -15,7 +15,6 @@ BF16 mean final loss.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from pathlib import Path
@@ -25,13 +24,12 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-import yaml
 from flax import nnx
 from tensorboardX import SummaryWriter
 
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from models.config import ModelConfig, preset
 from models.transformer import Transformer
 
@@ -169,12 +167,7 @@ def plot(path: Path, curves: dict[str, dict], title: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="bf16 and mxfp8, 3 seeds, 40 steps (for tests)")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE, "bf16 and mxfp8, 3 seeds, 40 steps (for tests)")
     if args.quick:
         raw = raw | {"recipes": ["bf16", "mxfp8"], "seeds": [0, 1, 2], "steps": 40, "final_window": 10}
     if "bf16" not in raw["recipes"]:

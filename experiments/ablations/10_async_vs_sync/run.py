@@ -8,16 +8,14 @@ the steady state (the first max_staleness + 2 steps, start-up and compilation, a
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 import matplotlib
-import yaml
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import git_commit
+from experiments.ablations.provenance import ablation_args, git_commit
 from experiments.bench.rl_throughput import measure
 
 matplotlib.use("Agg")
@@ -27,12 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(HERE / "config.yaml"))
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true", help="one latency, one bound, few steps")
-    args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text())
+    args, raw = ablation_args(argv, __doc__, HERE, "one latency, one bound, few steps")
     if args.quick:
         raw = raw | {"steps": 5, "env_delay_s": [0.05], "max_staleness": [1]}
     import ray
