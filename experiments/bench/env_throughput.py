@@ -6,9 +6,13 @@ Definitions (docs/sandbox.md):
 - first command: wall time of the first `exec("true")` on a fresh sandbox (one bwrap start).
 - exec latency: `exec("true")` and `exec("python -c pass")` on a started sandbox.
 - sandboxes/s: acquire + exec("true") + close, back to back, over N worker threads.
+- tool calls: `ToolRegistry.execute` of each Cursor-like tool on a started sandbox over the synthetic
+  200-file package (argument validation + the tool + output capping), as the episode loop calls it.
+- grading: `rl.tasks.grading.grade` of the reference solution of ladder `micro_bug` tasks (fresh sandbox,
+  patch applied, hidden tests overlaid, pytest run and parsed), tasks graded per minute over N workers.
 
-Sections are functions in SECTIONS taking a `Bench` and returning a dict of results; add tool-call
-latency or grading throughput by appending a function.
+Sections are functions in SECTIONS taking a `Bench` and returning a dict of results; add one by
+appending a function.
 
     python -m experiments.bench.env_throughput [--repeats 200 --out runs/bench/env_throughput.json]
 """
@@ -29,7 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from rl.harness.registry import ToolCall, ToolContext
+from rl.harness.tools import default_registry
 from rl.sandbox import Limits, SandboxPool, find_bwrap
+from rl.tasks.grading import grade
+from rl.tasks.ladder import build_ladder
+from rl.tasks.task import load_task
 
 
 @dataclass
@@ -122,7 +131,61 @@ def section_launch_breakdown(b: Bench) -> dict:
     return {k: _ms_stats(v) for k, v in times.items()}
 
 
-SECTIONS: list[Callable[[Bench], dict]] = [section_start, section_exec, section_launch_breakdown, section_scaling]
+TOOL_CALLS: list[tuple[str, dict]] = [
+    ("read_file", {"path": "pkg/sub3/mod3.py", "offset": 1, "limit": 200}),
+    ("list_dir", {"path": "pkg/sub3"}),
+    ("glob", {"pattern": "**/mod1*.py"}),
+    ("grep", {"pattern": r"def f59\(", "path": "pkg"}),
+    ("edit_file", {"path": "pkg/sub0/mod0.py", "old_string": "return x + 7\n", "new_string": "return x + 7  # \n"}),
+    ("write_file", {"path": "notes/scratch.py", "content": "x = 1\n" * 50}),
+    ("read_lints", {"paths": ["pkg/sub0/mod0.py", "notes/scratch.py"]}),
+    ("run_terminal_cmd", {"command": "true"}),
+    ("run_terminal_cmd", {"command": "ls pkg/sub3 | wc -l"}),
+]
+
+
+def section_tools(b: Bench) -> dict:
+    registry = default_registry()
+    times: dict[str, list[float]] = {}
+    with b.pool.acquire(b.repo) as s:
+        ctx = ToolContext(sandbox=s)
+        for i in range(max(10, b.repeats // 4)):
+            for j, (name, args) in enumerate(TOOL_CALLS):
+                if name == "edit_file":  # alternate the edit so that each call finds a unique match
+                    args = args if i % 2 == 0 else {**args, "old_string": args["new_string"],
+                                                    "new_string": args["old_string"]}
+                result = registry.execute(ToolCall(f"c{i}-{j}", name, args), ctx)
+                if result.is_error:
+                    raise RuntimeError(f"bench tool call {name}({args}) failed: {result.output[:300]}")
+                key = name if name != "run_terminal_cmd" else f"run_terminal_cmd {args['command']!r}"
+                times.setdefault(key, []).append(result.wall_s)
+    return {k: _ms_stats(v) for k, v in times.items()}
+
+
+def section_grading(b: Bench) -> dict:
+    tasks = [load_task(p) for p in build_ladder(b.repo.parent / "ladder", seed=0,
+                                                 per_rung=max(4, b.repeats // 25), rungs=("micro_bug",))]
+
+    def grade_one(task):
+        res = grade(task, task.solution_patch, b.pool.acquire)
+        if not res.resolved:
+            raise RuntimeError(f"reference solution of {task.id} did not resolve: {res.status} {res.reason}")
+        return res.wall_s
+
+    out: dict = {"tasks": len(tasks), "rung": "micro_bug"}
+    grade_one(tasks[0])  # first snapshot of a repository is a one-off; warm the interpreter's imports
+    for workers in sorted({1, os.cpu_count() or 1}):
+        t = time.perf_counter()
+        with ThreadPoolExecutor(workers) as ex:
+            walls = list(ex.map(grade_one, tasks))
+        elapsed = time.perf_counter() - t
+        out[f"{workers}_workers"] = {"tasks_per_min": 60 * len(tasks) / elapsed,
+                                     "grade_p50_ms": 1e3 * statistics.median(walls)}
+    return out
+
+
+SECTIONS: list[Callable[[Bench], dict]] = [section_start, section_exec, section_launch_breakdown, section_scaling,
+                                           section_tools, section_grading]
 
 
 def _print_table(results: dict) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rl.harness.registry import Tool, ToolContext, ToolError
 from rl.sandbox.base import WORKSPACE, SandboxPathError
+from rl.sandbox.hostfs import normalize
 
 MAX_LINE_CHARS = 2000  # read_file cuts longer lines (minified files would flood the context)
 SKIP_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", "node_modules", ".venv"}
@@ -30,10 +31,7 @@ def workspace_rel(path: str) -> str:
         path = path[len(WORKSPACE):].lstrip("/") or "."
     if path.startswith("/"):
         raise SandboxPathError(f"{path!r} is outside the workspace; use a path relative to {WORKSPACE}")
-    norm = posixpath.normpath(path)
-    if norm == ".." or norm.startswith("../"):
-        raise SandboxPathError(f"{path!r} leaves the workspace")
-    return norm
+    return normalize(path)
 
 
 def host_target(ctx: ToolContext, rel: str) -> tuple[Path, Path]:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rl.sandbox import gitseal
-from rl.sandbox.base import WORKSPACE, ExecResult, Limits, Sandbox, SandboxError
-from rl.sandbox.hostfs import HostWorkspace, normalize
+from rl.sandbox.base import WORKSPACE, ExecResult, Limits, SandboxError
+from rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
 from rl.sandbox.layers import BaseSnapshot, Workspace, overlay_supported
 from rl.sandbox.limits import SandboxCgroup, detect_cgroups, launcher_prefix
 from rl.sandbox.procs import run_captured
@@ -113,7 +113,7 @@ def _cgroup_layout():
         return _layout[0]
 
 
-class BwrapSandbox(Sandbox):
+class BwrapSandbox(HostWorkspaceSandbox):
     """An isolated workspace over `source` (a repository directory, or a shared `BaseSnapshot`).
 
     `mode` is 'overlay' (default where the host can mount overlayfs) or 'copy'. `extra_ro_binds` maps
@@ -177,10 +177,6 @@ class BwrapSandbox(Sandbox):
             argv += ["--ro-bind", host, inside]
         return argv + ["--remount-ro", "/"]  # the sandbox's root tmpfs; /workspace and /tmp stay writable
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("sandbox is closed")
-
     def exec(self, command: str, *, timeout_s: float | None = None, cwd: str = ".",
              env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
         self._check_open()
@@ -198,34 +194,6 @@ class BwrapSandbox(Sandbox):
         return run_captured(argv, limits=self.limits,
                             timeout_s=self.limits.timeout_s if timeout_s is None else timeout_s,
                             env={}, stdin=stdin)
-
-    def read_bytes(self, path: str) -> bytes:
-        self._check_open()
-        return self._ws.read_bytes(path)
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self._check_open()
-        self._ws.write_bytes(path, data)
-
-    def remove(self, path: str) -> None:
-        self._check_open()
-        self._ws.remove(path)
-
-    def exists(self, path: str) -> bool:
-        self._check_open()
-        return self._ws.exists(path)
-
-    def is_dir(self, path: str) -> bool:
-        self._check_open()
-        return self._ws.is_dir(path)
-
-    def list_dir(self, path: str = ".") -> list[str]:
-        self._check_open()
-        return self._ws.list_dir(path)
-
-    def host_path(self) -> Path:
-        self._check_open()
-        return self._ws.root
 
     def diff(self) -> str:
         self._check_open()

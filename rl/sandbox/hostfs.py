@@ -15,7 +15,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from rl.sandbox.base import SandboxPathError
+from rl.sandbox.base import Sandbox, SandboxError, SandboxPathError
 
 
 def normalize(path: str) -> str:
@@ -146,3 +146,44 @@ class HostWorkspace:
         finally:
             os.close(fd)
         return sorted(names)
+
+
+class HostWorkspaceSandbox(Sandbox):
+    """The file methods of a `Sandbox` whose workspace tree is a host directory (`self._ws`).
+
+    Subclasses set `self._ws` and `self._closed` and implement exec, diff, fork and close."""
+
+    _ws: HostWorkspace
+    _closed: bool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+
+    def read_bytes(self, path: str) -> bytes:
+        self._check_open()
+        return self._ws.read_bytes(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self._check_open()
+        self._ws.write_bytes(path, data)
+
+    def remove(self, path: str) -> None:
+        self._check_open()
+        self._ws.remove(path)
+
+    def exists(self, path: str) -> bool:
+        self._check_open()
+        return self._ws.exists(path)
+
+    def is_dir(self, path: str) -> bool:
+        self._check_open()
+        return self._ws.is_dir(path)
+
+    def list_dir(self, path: str = ".") -> list[str]:
+        self._check_open()
+        return self._ws.list_dir(path)
+
+    def host_path(self) -> Path:
+        self._check_open()
+        return self._ws.root

@@ -14,12 +14,12 @@ import tempfile
 from pathlib import Path
 
 from rl.sandbox import gitseal
-from rl.sandbox.base import ExecResult, Limits, Sandbox, SandboxError
-from rl.sandbox.hostfs import HostWorkspace, normalize
+from rl.sandbox.base import ExecResult, Limits, SandboxError
+from rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
 from rl.sandbox.procs import run_captured
 
 
-class LocalSandbox(Sandbox):
+class LocalSandbox(HostWorkspaceSandbox):
     """Unisolated sandbox: `repo_dir` copied to a temp dir and sealed as a one-commit git repo.
 
     Layout of the private temp dir: `base.git/` (pristine git dir used for diffs) and `workspace/`.
@@ -56,10 +56,6 @@ class LocalSandbox(Sandbox):
         self._ws = HostWorkspace(ws)
         self._repo_dir = Path(repo_dir)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("sandbox is closed")
-
     def exec(self, command: str, *, timeout_s: float | None = None, cwd: str = ".",
              env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
         self._check_open()
@@ -72,34 +68,6 @@ class LocalSandbox(Sandbox):
         return run_captured(["/bin/sh", "-c", command], limits=self.limits,
                             timeout_s=self.limits.timeout_s if timeout_s is None else timeout_s,
                             cwd=str(workdir), env=full_env, stdin=stdin)
-
-    def read_bytes(self, path: str) -> bytes:
-        self._check_open()
-        return self._ws.read_bytes(path)
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        self._check_open()
-        self._ws.write_bytes(path, data)
-
-    def remove(self, path: str) -> None:
-        self._check_open()
-        self._ws.remove(path)
-
-    def exists(self, path: str) -> bool:
-        self._check_open()
-        return self._ws.exists(path)
-
-    def is_dir(self, path: str) -> bool:
-        self._check_open()
-        return self._ws.is_dir(path)
-
-    def list_dir(self, path: str = ".") -> list[str]:
-        self._check_open()
-        return self._ws.list_dir(path)
-
-    def host_path(self) -> Path:
-        self._check_open()
-        return self._ws.root
 
     def diff(self) -> str:
         self._check_open()

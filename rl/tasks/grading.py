@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import Sandbox
+from rl.sandbox.base import ExecResult, Sandbox
 from rl.tasks.patches import drop_test_files
 from rl.tasks.results import FAILING, PASSED, SKIPPED, XFAIL, ReportError, parse_junit, parse_pytest_rA
 from rl.tasks.task import Task
@@ -153,6 +153,16 @@ def _cross_check(exit_code: int, statuses: dict[str, str]) -> str | None:
     return None
 
 
+def _run_tests(task: Task, sandbox: Sandbox, cmd: str, timeout: float, env: dict[str, str],
+               what: str) -> tuple[ExecResult, GradeResult]:
+    """Runs the grading command; the result starts "unresolved" (or "timeout") with the log's tail."""
+    res = sandbox.exec(cmd, timeout_s=timeout, env=env)
+    out = GradeResult(task.id, "unresolved", exit_code=res.exit_code, log_tail=_tail(res.stdout + res.stderr))
+    if res.timed_out:
+        out.status, out.reason = "timeout", f"{what} ran past {timeout:g}s"
+    return res, out
+
+
 def _grade_pytest(task: Task, sandbox: Sandbox, workdir: str, python: str, timeout: float) -> GradeResult:
     if task.tests_dir is not None and (task.tests_dir / "overlay").is_dir():
         _overlay(sandbox, task.tests_dir / "overlay")
@@ -165,10 +175,8 @@ def _grade_pytest(task: Task, sandbox: Sandbox, workdir: str, python: str, timeo
     targets = " ".join(shlex.quote(t) for t in task.test_files)
     cmd = (f"{shlex.quote(python)} -m pytest -p no:cacheprovider -o junit_family=xunit1 --rootdir=. "
            f"--junitxml={junit} -q -rA {targets}")
-    res = sandbox.exec(cmd, timeout_s=timeout, env=_pytest_env(python))
-    out = GradeResult(task.id, "unresolved", exit_code=res.exit_code, log_tail=_tail(res.stdout + res.stderr))
+    res, out = _run_tests(task, sandbox, cmd, timeout, _pytest_env(python), "tests")
     if res.timed_out:
-        out.status, out.reason = "timeout", f"tests ran past {timeout:g}s"
         return out
     statuses = _read_junit(sandbox, junit)
     if statuses is None:
@@ -226,11 +234,9 @@ def _grade_reward(task: Task, sandbox: Sandbox, workdir: str, python: str, timeo
     script = _ABS_DIR.sub(lambda m: "${TEST_DIR}" if m.group(1) == "tests" else "${LOGS_DIR}",
                           (task.tests_dir / "test.sh").read_text())
     sandbox.write_text(f"{workdir}/tests/test.sh", script)
-    res = sandbox.exec(_script_env(workdir) + f"bash {workdir}/tests/test.sh",
-                       timeout_s=timeout, env=_pytest_env(python))
-    out = GradeResult(task.id, "unresolved", exit_code=res.exit_code, log_tail=_tail(res.stdout + res.stderr))
+    res, out = _run_tests(task, sandbox, _script_env(workdir) + f"bash {workdir}/tests/test.sh", timeout,
+                          _pytest_env(python), "test.sh")
     if res.timed_out:
-        out.status, out.reason = "timeout", f"test.sh ran past {timeout:g}s"
         return out
     reward, err = read_reward(sandbox, f"{workdir}/logs")
     if reward is None:
@@ -252,10 +258,8 @@ def _grade_tb1(task: Task, sandbox: Sandbox, workdir: str, python: str, timeout:
     env = _pytest_env(python) | {"PYTEST_ADDOPTS": f"-rA -o junit_family=xunit1 --junitxml=$PWD/{junit}"}
     cmd = _script_env(workdir) + f'export PYTEST_ADDOPTS="{env.pop("PYTEST_ADDOPTS")}"; ' \
         f"bash {workdir}/run-tests.sh"
-    res = sandbox.exec(cmd, timeout_s=timeout, env=env)
-    out = GradeResult(task.id, "unresolved", exit_code=res.exit_code, log_tail=_tail(res.stdout + res.stderr))
+    res, out = _run_tests(task, sandbox, cmd, timeout, env, "run-tests.sh")
     if res.timed_out:
-        out.status, out.reason = "timeout", f"run-tests.sh ran past {timeout:g}s"
         return out
     statuses = _read_junit(sandbox, junit)
     if statuses is None:
