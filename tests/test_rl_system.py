@@ -328,6 +328,36 @@ def test_learner_starts_from_init_from_and_rejects_missing_or_incompatible_check
         RLLearner(dataclasses.replace(cfg, model=wider, init_from=str(tmp_path / "hf")), tmp_path / "c")
 
 
+def test_learner_on_a_mesh_takes_the_single_device_step(tmp_path):
+    """`mesh:` in the RL config shards the learner like pretraining (FSDP x expert-parallel MoE here, on 4
+    of the 8 fake CPU devices): parameters land sharded and one rl_step gives the single-device update."""
+    import dataclasses
+
+    import jax
+
+    from c2jax.config import MeshConfig
+    from rl.config import AdvantageConfig
+    from rl.system.backends import RLLearner
+
+    # a large Adam eps: g / (|g| + eps) would otherwise blow float-order noise of ~0 gradients up to ~lr
+    cfg = load_system_config(None, [*TINY, "model.moe_impl=sorted", "rl.adam_eps=1e-4", f"output_dir={tmp_path}",
+                                    "name=mesh"])
+    groups = [_group(f"g{i}", (0, 0), (float(i), 1.0 - i)).with_advantages(AdvantageConfig()) for i in (0, 1)]
+    batch = build_batch(groups, seq_len=cfg.system.seq_len, min_rows=4)
+    single = RLLearner(cfg, tmp_path / "single")
+    sharded = RLLearner(dataclasses.replace(cfg, mesh=MeshConfig(fsdp=2, expert=2)), tmp_path / "sharded")
+    leaves = jax.tree.leaves(sharded.state.params)
+    assert {d for x in leaves for d in x.sharding.device_set} == set(jax.devices()[:4])
+    assert any(not x.sharding.is_fully_replicated for x in leaves)
+    m1, m2 = single.train(batch), sharded.train(batch)
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+    w1, w2 = single.weights(), sharded.weights()
+    for k in w1:
+        np.testing.assert_allclose(w2[k], w1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        RLLearner(dataclasses.replace(cfg, mesh=MeshConfig(fsdp=16)), tmp_path / "too-big")
+
+
 # ------------------------------------------------------------------------------------------ router replay
 def test_router_replay_of_a_multi_turn_episode_reproduces_the_sampler_in_the_learner(tmp_path):
     """A real InferenceEngine drives a 3-turn SamplerAgent episode (environment text between turns); the

@@ -67,8 +67,9 @@ class Learner:
 
 
 class RolloutWorker:
-    """Holds a sampler and drives one group at a time against environment workers; the G episodes of an
-    agentic group run concurrently on the sampler (threads sharing the engine's slots)."""
+    """Holds a sampler and drives up to `system.groups_per_worker` groups at once against environment
+    workers; their requests, and the G episodes of an agentic group, run concurrently on the sampler
+    (threads sharing the engine's slots: continuous batching)."""
 
     def __init__(self, cfg: RLSystemConfig, env_workers: list, prompts: dict, worker_id: str):
         import ray
@@ -84,7 +85,8 @@ class RolloutWorker:
         self.policy = make_policy(cfg, detok)
         self.decoder = DeltaDecoder()
         self._lock = threading.Lock()
-        self._run_lock = threading.Lock()  # one group at a time per sampler (an abandoned call may linger)
+        # at most groups_per_worker groups at once per sampler (a call the reconciler abandoned may linger)
+        self._run_slots = threading.BoundedSemaphore(cfg.system.groups_per_worker)
         self.swaps = 0
         self.sync_latency_s: list[float] = []
         self.incarnation = uuid.uuid4().hex[:8]  # changes when Ray restarts the actor
@@ -132,7 +134,7 @@ class RolloutWorker:
 
     def run_group(self, spec: dict, chain: list) -> Group:
         """spec: {group_id, prompt_id, seed, attempt[, group_size]}. Re-syncs weights before serving."""
-        with self._run_lock:
+        with self._run_slots:
             return self._run_group(spec, chain)
 
     def _run_group(self, spec: dict, chain: list) -> Group:

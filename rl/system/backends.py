@@ -212,17 +212,49 @@ def initial_model(cfg: RLSystemConfig):
 
 
 # ----------------------------------------------------------------------------------------- learners
+def _shard_rl_state(state, tx, mesh_cfg):
+    """The learner's RLState laid out on `mesh_cfg`'s mesh like pretraining's (c2jax.mesh rules: FSDP /
+    expert-parallel parameters, the KL reference alike); the optimizer state follows its parameters."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from c2jax.mesh import make_mesh, param_rules, place_on_mesh, shard_state
+
+    devices = jax.devices()
+    wanted = mesh_cfg.resolve(len(devices)).num_devices if -1 in mesh_cfg.shape else mesh_cfg.num_devices
+    if wanted > len(devices):
+        raise ValueError(f"mesh {dict(zip(mesh_cfg.axis_names, mesh_cfg.shape))} needs {wanted} devices; the "
+                         f"learner sees {len(devices)} ({devices[0].platform})")
+    mesh = make_mesh(mesh_cfg, devices[:wanted] if jax.process_count() == 1 else None)
+    rules = param_rules(mesh_cfg)
+    params = shard_state(state.params, mesh, rules)
+    ref = None if state.ref_params is None else shard_state(state.ref_params, mesh, rules)
+    state = state._replace(step=jax.device_put(state.step, NamedSharding(mesh, PartitionSpec())), params=params,
+                           model_state=shard_state(state.model_state, mesh, rules), ref_params=ref,
+                           opt_state=place_on_mesh(jax.jit(tx.init)(params), mesh))
+    return mesh, state
+
+
 class RLLearner:
-    """rl_step (jitted, donated) on the model; Orbax checkpoints under <run>/checkpoints."""
+    """rl_step (jitted, donated) on the model, sharded over `cfg.mesh` when it spans several devices;
+    Orbax checkpoints under <run>/checkpoints."""
 
     def __init__(self, cfg: RLSystemConfig, run_dir: Path):
+        import jax
+
         from c2jax.train.checkpoint import Checkpointer
         from c2jax.train.config import CheckpointConfig
         from rl.learner import init_rl_state, make_optimizer, make_rl_step
 
         tx = make_optimizer(cfg.rl)
         graphdef, self.state = init_rl_state(initial_model(cfg), tx, cfg.rl)
-        self.step_fn = make_rl_step(graphdef, tx, cfg.rl)
+        self.mesh = None
+        if -1 in cfg.mesh.shape or cfg.mesh.num_devices != 1:
+            self.mesh, self.state = _shard_rl_state(self.state, tx, cfg.mesh)
+            self.step_fn = make_rl_step(graphdef, tx, cfg.rl, mesh=self.mesh, mesh_config=cfg.mesh,
+                                        state_shardings=jax.tree.map(lambda x: x.sharding, self.state))
+        else:
+            self.step_fn = make_rl_step(graphdef, tx, cfg.rl)
         self.ckpt = Checkpointer(Path(run_dir) / "checkpoints",
                                  CheckpointConfig(every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                                                   async_save=False))

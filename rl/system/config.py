@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from c2jax.config import ConfigError, _resolve_presets, apply_overrides, dump_yaml, from_dict, load_yaml
+from c2jax.config import (
+    ConfigError,
+    MeshConfig,
+    _resolve_presets,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_yaml,
+)
 from models.config import ModelConfig
 from models.inference.engine import EngineConfig
 from rl.config import RLConfig
@@ -25,6 +33,9 @@ class SystemConfig:
     max_staleness: int = 2  # a trained token's version >= learner version - max_staleness
     stale_policy: Literal["drop", "requeue"] = "drop"  # what happens to a group past the bound
     num_rollout_workers: int = 2
+    # groups one rollout worker runs at once: their requests share the engine's slots (continuous batching),
+    # so one group's environment time (tools, grading) overlaps the others' decoding
+    groups_per_worker: int = 2
     num_env_workers: int = 1
     seq_len: int = 64  # packed row length
     min_rows: int = 4  # batches are padded to at least this many rows (and powers of two beyond): few compiles
@@ -41,8 +52,8 @@ class SystemConfig:
     router_replay: bool = True
 
     def __post_init__(self):
-        for name in ("steps", "group_size", "groups_per_step", "num_rollout_workers", "num_env_workers",
-                     "seq_len", "min_rows"):
+        for name in ("steps", "group_size", "groups_per_step", "num_rollout_workers", "groups_per_worker",
+                     "num_env_workers", "seq_len", "min_rows"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"system.{name} must be positive, got {getattr(self, name)}")
         if self.max_staleness < 0 or self.max_group_retries < 0 or self.max_episode_retries < 0:
@@ -69,6 +80,9 @@ class EnvConfig:
     gen_len: int = 8
     target_token: int = 3
     delay_s: float = 0.0
+    # spread of the emulated latency: each grade sleeps delay_s * exp(delay_sigma * z), z ~ N(0, 1), i.e. a
+    # log-normal with median delay_s, like test suites whose run times span orders of magnitude; 0: constant
+    delay_sigma: float = 0.0
     temperature: float = 1.0
     # ladder
     rungs: tuple[str, ...] = ("answer",)
@@ -78,6 +92,10 @@ class EnvConfig:
     episode: EpisodeConfig = field(default_factory=lambda: EpisodeConfig(
         max_turns=2, max_model_tokens=64, max_new_tokens_per_turn=32, max_context_tokens=4096,
         wall_clock_s=120.0))
+
+    def __post_init__(self):
+        if self.delay_s < 0 or self.delay_sigma < 0:
+            raise ConfigError(f"env.delay_s and env.delay_sigma must be >= 0, got {self.delay_s}, {self.delay_sigma}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,9 @@ class RLSystemConfig:
     resume: bool = True  # pick up the run dir's learner checkpoint and persisted groups
     model: ModelConfig = field(default_factory=ModelConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    # the learner's device mesh (c2jax.config.MeshConfig, as in pretraining: data / fsdp / expert / context /
+    # tensor, one axis may be -1); one device (the default) runs rl_step unsharded
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(slots=8, max_len=256, chunk_steps=4))
     env: EnvConfig = field(default_factory=EnvConfig)
     system: SystemConfig = field(default_factory=SystemConfig)

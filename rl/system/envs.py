@@ -2,7 +2,8 @@
 execute (sandbox operations, grading).
 
 `target` (single turn): prompts are random token ids; reward = fraction of generated tokens equal to
-`target_token`, graded on an environment worker after `delay_s` (emulated sandbox/grader latency).
+`target_token`, graded on an environment worker after `delay_s` (emulated sandbox/grader latency; with
+`delay_sigma`, log-normal around it).
 `ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
 agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
 Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.tasks.grading.grade.
@@ -10,9 +11,12 @@ Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -65,10 +69,14 @@ class EnvironmentHost:
         self._tasks: dict = {}
         self._sandboxes: dict[str, Sandbox] = {}
         self._next = 0
+        self._delay_rng = np.random.default_rng(0)
+        self._delay_lock = threading.Lock()
 
     def grade_target(self, tokens: list[int]) -> float:
         if self.cfg.delay_s:
-            time.sleep(self.cfg.delay_s)
+            with self._delay_lock:  # graded from several threads (max_concurrency)
+                z = float(self._delay_rng.standard_normal()) if self.cfg.delay_sigma else 0.0
+            time.sleep(self.cfg.delay_s * math.exp(self.cfg.delay_sigma * z))
         tokens = np.asarray(tokens)
         return float((tokens == self.cfg.target_token).mean()) if tokens.size else 0.0
 
@@ -168,8 +176,21 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
     requests = [Request(list(prompt), cfg.gen_len, (), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
                 for i in range(group_size)]
     results = generate(requests)
+
+    def graded(res) -> tuple[float, str | None, int]:
+        reward, error, attempts = 0.0, None, 0
+        while attempts <= max_retries:
+            attempts += 1
+            try:
+                return float(env_call("grade_target", list(res.token_ids))), None, attempts
+            except Exception as e:  # noqa: BLE001 -- worker died or timed out: retry, then record
+                error = f"grading failed ({type(e).__name__}): {e}"
+        return reward, error, attempts
+
+    with ThreadPoolExecutor(max_workers=len(results), thread_name_prefix="grade") as pool:
+        grades = list(pool.map(graded, results))  # the G samples are graded concurrently, as sandboxes would be
     rollouts = []
-    for res in results:
+    for res, (reward, error, attempts) in zip(results, grades):
         n_p, n = len(prompt), len(res.token_ids)
         experts = None
         if replay:
@@ -178,14 +199,6 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
             experts = single_turn_replay(res.prompt_expert_ids, res.expert_ids, n)
         seq = sequence(list(prompt) + list(res.token_ids), [0] * n_p + [1] * n, [0.0] * n_p + list(res.logprobs),
                        [-1] * n_p + list(res.policy_versions), experts)
-        reward, error, attempts = 0.0, None, 0
-        while attempts <= max_retries:
-            attempts += 1
-            try:
-                reward, error = float(env_call("grade_target", list(res.token_ids))), None
-                break
-            except Exception as e:  # noqa: BLE001 -- worker died or timed out: retry, then record
-                error = f"grading failed ({type(e).__name__}): {e}"
         rollouts.append(Rollout([seq], reward, res.finish_reason, error, 1, n, attempts))
     return rollouts
 

@@ -98,7 +98,7 @@ class Reconciler:
                              gpus=cfg.ray.learner_gpus)
         self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self.train_prompts, f"rollout{i}",
                               name=f"rollout-{tag}-{i}", cpus=cfg.ray.rollout_cpus, gpus=cfg.ray.rollout_gpus,
-                              concurrency=4) for i in range(sc.num_rollout_workers)]
+                              concurrency=sc.groups_per_worker + 3) for i in range(sc.num_rollout_workers)]
         self.evaluator = None
         if cfg.eval.every > 0:
             self.evaluator = spawn(Evaluator, cfg, self.env_workers, self.eval_prompts, "evaluator",
@@ -118,7 +118,7 @@ class Reconciler:
             self.counts["groups_resumed"] = len(pending)
         self.staleness.on_resume(self.version)
         self.staleness.accepted += len(self.ready)
-        self.idle = set(range(len(self.workers)))
+        self.free_slots = {w: sc.groups_per_worker for w in range(len(self.workers))}  # groups each can take
         from c2jax.train.metrics import MetricsWriter
 
         self.metrics = MetricsWriter(self.run_dir)
@@ -133,7 +133,7 @@ class Reconciler:
         return self.staleness.capacity(self.version) > 0
 
     def _dispatch(self) -> None:
-        while self.idle and (self.retry or self._can_dispatch()):
+        while any(self.free_slots.values()) and (self.retry or self._can_dispatch()):
             if self.retry:
                 spec = self.retry.popleft()
             else:
@@ -142,8 +142,8 @@ class Reconciler:
                         "prompt_id": self.curriculum.next_prompt(),
                         "seed": self.cfg.seed * 1_000_003 + self.start_version * 10_007 + n, "attempt": 0}
                 self.counts["groups_dispatched"] += 1
-            w = min(self.idle)
-            self.idle.discard(w)
+            w = max(self.free_slots, key=lambda i: (self.free_slots[i], -i))  # the least loaded worker
+            self.free_slots[w] -= 1
             ref = self.workers[w].run_group.remote(spec, self.chain.payloads())
             self.inflight[ref] = (spec, w, time.perf_counter())
             self.staleness.on_dispatch()
@@ -193,7 +193,7 @@ class Reconciler:
         import ray
 
         spec, w, _ = self.inflight.pop(ref)
-        self.idle.add(w)
+        self.free_slots[w] += 1
         try:
             group: Group = ray.get(ref, timeout=self.cfg.system.call_timeout_s)
         except Exception as e:  # noqa: BLE001 -- RayActorError (worker died), task error, timeout
@@ -298,8 +298,8 @@ class Reconciler:
             waiting = list(self.inflight) + ([self.training[0]] if self.training else []) + \
                 ([self.eval_ref] if self.eval_ref is not None else [])
             if not waiting:
-                raise RuntimeError("the reconciler has nothing in flight and cannot train: no idle rollout "
-                                   "worker, or groups_per_step exceeds what admission allows")
+                raise RuntimeError("the reconciler has nothing in flight and cannot train: no free rollout "
+                                   "worker slot, or groups_per_step exceeds what admission allows")
             done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
             for ref in done:
                 if self.training is not None and ref == self.training[0]:
@@ -324,7 +324,7 @@ class Reconciler:
         for ref, (spec, w, t0) in list(self.inflight.items()):
             if now - t0 > limit:
                 del self.inflight[ref]
-                self.idle.add(w)
+                self.free_slots[w] += 1
                 self.counts["groups_timed_out"] += 1
                 self._on_group_failed(spec, f"no result after {limit:.0f}s")
 

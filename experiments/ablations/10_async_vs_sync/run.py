@@ -16,7 +16,7 @@ import matplotlib
 from tensorboardX import SummaryWriter
 
 from experiments.ablations.provenance import ablation_args, git_commit
-from experiments.bench.rl_throughput import measure
+from experiments.bench.async_vs_sync import measure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

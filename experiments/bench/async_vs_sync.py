@@ -1,13 +1,18 @@
 """Async vs sync RL throughput on the same CPU budget: samples/s, tokens/s, steps/s, learner busy fraction
-and mean / max staleness, at bounded staleness. The tiny MoE model on the single-turn target task, real
-InferenceEngine samplers and rl_step learner on local Ray; `env.delay_s` emulates sandbox/grader latency
-(the time an agentic rollout spends outside the model), which is what asynchrony overlaps.
+and mean / max staleness, at bounded staleness, in one run. Real InferenceEngine samplers and the rl_step
+learner on local Ray, the single-turn target task; `env.delay_s` emulates the sandbox/grader time of an
+agentic rollout (what asynchrony overlaps) and `env.delay_sigma` its spread (log-normal around the median).
 
-    python experiments/bench/rl_throughput.py [--steps 8] [--delay 0.05] [key=value ...]
+Two latency scenarios by default, each sync then async with identical actors and settings:
+- constant (sigma 0): asynchrony can only overlap the learner step with rollouts;
+- heavy-tailed (sigma 1): real test suites' run times vary by orders of magnitude; a synchronous step waits
+  for the slowest of its batch's rollouts, an asynchronous run keeps every rollout slot busy meanwhile.
 
-Prints a table and writes runs/bench/rl_throughput.json.
+    python -m experiments.bench.async_vs_sync [--steps 16] [--delay 0.3] [--sigmas 0,1] [key=value ...]
 
-    python experiments/bench/rl_throughput.py --group-episodes G [--turns 3]
+Prints a table and writes runs/bench/async_vs_sync.json.
+
+    python -m experiments.bench.async_vs_sync --group-episodes G [--turns 3]
 
 instead times one agentic group on a rollout worker's sampler (EnginePolicy, the tiny model over the
 byte tokenizer, harness episodes without tools in a local sandbox): its G episodes one after another,
@@ -18,26 +23,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-BASE = ["model.preset=tiny", "model.vocab_size=16", "model.num_hidden_layers=2", "model.num_nextn_predict_layers=0",
-        "model.moe_impl=dense", "model.n_group=1", "model.topk_group=1", "rl.learning_rate=3e-3",
-        "rl.loss.constant_normalizer=256", "env.gen_len=4", "env.prompt_len=2", "system.seq_len=8",
-        "system.group_size=8", "system.groups_per_step=4", "engine.slots=8", "engine.max_len=16",
-        "engine.chunk_steps=2", "engine.key_bucket=16", "engine.min_prompt_bucket=2", "resume=false",
-        "dashboard=false", "checkpoint.every=1000", "system.num_rollout_workers=2"]
+# The learner's model is the tiny preset widened so one rl_step (~1 s here) is comparable to a batch's
+# rollout time, as on a cluster where training and sampling are both heavy; 4 groups x 8 samples a step.
+BASE = ["model.preset=tiny", "model.vocab_size=16", "model.hidden_size=256", "model.num_hidden_layers=4",
+        "model.num_nextn_predict_layers=0", "model.moe_impl=dense", "model.n_group=1", "model.topk_group=1",
+        "rl.learning_rate=3e-3", "rl.loss.constant_normalizer=256", "env.gen_len=16", "env.prompt_len=2",
+        "system.seq_len=24", "system.group_size=8", "system.groups_per_step=4", "engine.slots=32",
+        "engine.max_len=32", "engine.chunk_steps=4", "engine.key_bucket=32", "engine.min_prompt_bucket=2",
+        "resume=false", "dashboard=false", "checkpoint.every=1000", "system.num_rollout_workers=2",
+        "system.groups_per_worker=4"]
 
 
 def measure(mode: str, steps: int, delay: float, staleness: int, out_dir: Path, extra: list[str],
-            warmup: int) -> dict:
+            warmup: int, sigma: float = 0.0) -> dict:
     from rl.system.config import load_system_config
     from rl.system.reconciler import run_system
 
     cfg = load_system_config(None, [*BASE, f"system.mode={mode}", f"system.steps={steps}", f"env.delay_s={delay}",
-                                    f"system.max_staleness={staleness}", f"output_dir={out_dir}",
+                                    f"env.delay_sigma={sigma}", f"system.max_staleness={staleness}",
+                                    f"output_dir={out_dir}",
                                     f"name={mode}-{int(time.time())}", *extra])
     out = run_system(cfg)
     hist = out["history"]
@@ -48,7 +58,8 @@ def measure(mode: str, steps: int, delay: float, staleness: int, out_dir: Path, 
     samples = sum(r["tokens_trained"] for r in warm) / (cfg.env.gen_len)
     tokens = sum(r["tokens_trained"] for r in warm)
     busy = sum(r["learner/step_s"] for r in warm) / dt
-    return {"mode": mode, "steps": len(warm), "wall_s": dt, "samples_per_s": samples / dt,
+    return {"mode": mode, "delay_s": delay, "delay_sigma": sigma, "steps": len(warm), "wall_s": dt,
+            "samples_per_s": samples / dt,
             "tokens_per_s": tokens / dt, "steps_per_s": len(warm) / dt, "learner_busy": busy,
             "staleness_mean": float(np.mean([r["staleness/batch_mean"] for r in warm])),
             "staleness_max": int(max(r["staleness/batch_max"] for r in warm)),
@@ -113,9 +124,12 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=0, help="steps left out of the rates (0: max_staleness + 2)")
-    ap.add_argument("--delay", type=float, default=0.05, help="emulated environment seconds per rollout")
+    ap.add_argument("--delay", type=float, default=0.3,
+                    help="median emulated environment seconds per rollout (grading a ladder task: ~0.35 s, "
+                         "experiments/bench/env_throughput.py)")
+    ap.add_argument("--sigmas", default="0,1", help="latency spreads to run (log-normal sigma; 0: constant)")
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--out", default="runs/bench")
@@ -125,7 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.group_episodes:
         res = measure_group(args.group_episodes, args.turns)
-        res["loadavg"] = __import__("os").getloadavg()
+        res["loadavg"] = os.getloadavg()
         print(json.dumps(res, indent=1))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "rl_group_concurrency.json").write_text(json.dumps(res, indent=1))
@@ -135,29 +149,44 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR")
-    out_dir = Path(args.out)
+    sigmas = [float(x) for x in args.sigmas.split(",")]
     warmup = args.warmup or args.max_staleness + 2
     if args.steps <= warmup + 1:
         raise SystemExit(f"--steps {args.steps} leaves no steady-state steps after {warmup} warm-up steps")
-    rows = [measure(m, args.steps, args.delay, args.max_staleness, out_dir / "rl_throughput_runs", args.overrides,
-                    warmup) for m in ("sync", "async")]
-    ray.shutdown()
-    table = Table(title=f"RL throughput, tiny model, env delay {args.delay}s/rollout, max_staleness "
-                        f"{args.max_staleness}, steps {warmup + 1}..{args.steps}")
-    cols = ["mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy", "staleness_mean",
-            "staleness_max", "dropped_stale", "sync_kib_per_step"]
+    load_start = os.getloadavg()
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR")
+    out_dir = Path(args.out)
+    rows = []
+    try:
+        for sigma in sigmas:
+            for mode in ("sync", "async"):
+                rows.append(measure(mode, args.steps, args.delay, args.max_staleness, out_dir / "async_vs_sync_runs",
+                                    args.overrides, warmup, sigma))
+                print(f"sigma {sigma:g} {mode}: {rows[-1]['samples_per_s']:.1f} samples/s", flush=True)
+    finally:
+        ray.shutdown()
+    table = Table(title=f"RL throughput: env delay median {args.delay}s/rollout, max_staleness {args.max_staleness}, "
+                        f"steps {warmup + 1}..{args.steps}, {args.num_cpus} CPUs")
+    cols = ["delay_sigma", "mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy", "staleness_mean",
+            "staleness_max", "dropped_stale", "sync_kib_per_step", "reward_first", "reward_last"]
     for c in cols:
         table.add_column(c)
     for r in rows:
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
-    Console(width=160).print(table)
-    speedup = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
-    print(f"async / sync samples/s: {speedup:.2f}x")
+    Console(width=200).print(table)
+    speedups = {}
+    for sigma in sigmas:
+        sync, asyn = (next(r for r in rows if r["delay_sigma"] == sigma and r["mode"] == m) for m in ("sync", "async"))
+        speedups[f"sigma={sigma:g}"] = asyn["samples_per_s"] / sync["samples_per_s"]
+        print(f"sigma {sigma:g}: async / sync samples/s = {speedups[f'sigma={sigma:g}']:.2f}x, "
+              f"async learner busy {asyn['learner_busy']:.0%}, staleness mean {asyn['staleness_mean']:.2f} "
+              f"max {asyn['staleness_max']}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "rl_throughput.json").write_text(json.dumps(
-        {"config": vars(args), "results": rows, "async_over_sync": speedup,
-         "cpu_count": __import__("os").cpu_count()}, indent=1))
+    (out_dir / "async_vs_sync.json").write_text(json.dumps(
+        {"config": vars(args), "base_overrides": BASE, "results": rows, "async_over_sync": speedups,
+         "cpu_count": os.cpu_count(), "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()},
+        indent=1))
+    print(f"wrote {out_dir / 'async_vs_sync.json'}")
 
 
 if __name__ == "__main__":
