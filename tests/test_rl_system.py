@@ -195,8 +195,12 @@ def test_async_run_bounds_staleness_syncs_weights_and_evaluates(async_run):
     assert max(i["swaps"] for i in out["worker_info"]) >= 2
     fulls = [r["sync/full"] for r in out["history"]]
     assert fulls[3] == 1.0 and sum(fulls) == 1  # v4 is a full packet, the rest deltas
-    assert all(r["sync/identical_fraction"] > 0.5 and r["sync/bytes"] < 0.5 * r["sync/raw_bytes"]
-               for r, f in zip(out["history"], fulls) if not f)
+    # the other sync stats are of the previous version's packet (encoded while this step trained)
+    assert [r["sync/stats_version"] for r in out["history"]] == [0, 1, 2, 3, 4, 5]
+    deltas = [r for r in out["history"] if r["sync/stats_version"] not in (0, 4)]
+    assert len(deltas) == 4 and all(r["sync/identical_fraction"] > 0.5 and r["sync/bytes"] < 0.5 * r["sync/raw_bytes"]
+                                    for r in deltas)
+    assert all("sync/identical_fraction" not in r for r in out["history"] if r["sync/stats_version"] in (0, 4))
     assert {r["step"] for r in out["eval"]} >= {0, 3, 6} and all("best_of_2" in r for r in out["eval"])
     rows = async_run["rows"]
     assert len(rows) == 6 and "sync/bytes" in rows[0] and (cfg.run_dir / "config.yaml").exists()

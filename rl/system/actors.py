@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,9 @@ from rl.system.weight_sync import DeltaDecoder, DeltaEncoder
 
 
 class Learner:
-    """Owns params and optimizer; each `train` is one rl_step, then a versioned weight packet."""
+    """Owns params and optimizer; each `train` is one rl_step. The step's weight packet is encoded on a
+    background thread, off the learner's critical path: `packet(version)` returns it (the reconciler puts
+    that call's ObjectRef in the weight chain at once, so samplers wait on it, never the learner)."""
 
     def __init__(self, cfg: RLSystemConfig, run_dir: str):
         self.cfg = cfg
@@ -32,31 +34,54 @@ class Learner:
         ws = cfg.weight_sync
         self.encoder = DeltaEncoder(ws.full_every, ws.compression, ws.level)
         self.busy_s = 0.0
+        self._encoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")  # in version order
+        self._packets: dict[int, Future] = {}
+        self._last_stats: dict[str, float] = {}
+        self._last_future: Future | None = None
 
     def start(self, resume: bool):
         """(version, full packet): restores the latest checkpoint when resuming."""
         version = self.core.restore() if resume else self.core.version
-        return version, self._packet(force_full=True)
+        return version, self._encode(self._snapshot(), version, force_full=True)
 
-    def _packet(self, force_full=False):
-        packet = self.encoder.encode(self.core.weights(), self.core.version, force_full=force_full)
+    def _snapshot(self) -> dict[str, np.ndarray]:
+        # host copies: the next (donating) rl_step may reuse the device buffers while the packet is encoded
+        return {k: np.array(v, copy=True) for k, v in self.core.weights().items()}
+
+    def _encode(self, weights, version, force_full=False):
+        packet = self.encoder.encode(weights, version, force_full=force_full)
         packet.stats["created"] = time.time()
+        self._last_stats = {**{f"sync/{k}": v for k, v in packet.stats.items() if k != "created"},
+                            "sync/stats_version": float(version)}
         return packet
 
     def train(self, batch):
-        """(metrics, packet); call with num_returns=2 so the packet stays in the object store."""
+        """Metrics of one rl_step. `sync/full` says what this version's packet is; the other `sync/*`
+        stats (bytes, identical fraction, encode time) are those of the previous version's packet
+        (`sync/stats_version`), whose encoding overlapped this step."""
         t0 = time.perf_counter()
         metrics = self.core.train(batch)
         metrics["learner/step_s"] = time.perf_counter() - t0
-        if self.core.version % self.cfg.checkpoint.every == 0 or self.core.version >= self.cfg.system.steps:
+        version = self.core.version
+        if version % self.cfg.checkpoint.every == 0 or version >= self.cfg.system.steps:
             t1 = time.perf_counter()
             self.core.save()
             metrics["learner/checkpoint_s"] = time.perf_counter() - t1
-        packet = self._packet()
-        metrics.update({f"sync/{k}": v for k, v in packet.stats.items() if k != "created"})
-        metrics["sync/full"] = float(packet.kind == "full")
+        weights = self._snapshot()
+        metrics["sync/full"] = float(self.encoder.kind(weights, version) == "full")
+        if self._last_future is not None:
+            self._last_future.result()  # the previous packet (it had this whole step to finish)
+        metrics.update(self._last_stats)
+        self._last_future = self._packets[version] = self._encoding.submit(self._encode, weights, version)
         self.busy_s += time.perf_counter() - t0
-        return metrics, packet
+        return metrics
+
+    def packet(self, version: int):
+        """The weight packet of `version` (waits for its encoding)."""
+        if version not in self._packets:
+            raise KeyError(f"no packet for version {version} (learner at {self.core.version}; restarted?)")
+        # asked once per version (the reconciler keeps the ObjectRef; Ray serves every sampler from it)
+        return self._packets.pop(version).result(timeout=self.cfg.system.call_timeout_s)
 
     def save(self) -> int:
         self.core.save()

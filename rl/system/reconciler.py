@@ -95,7 +95,7 @@ class Reconciler:
         tag = uuid.uuid4().hex[:6]
         self.env_workers = [spawn_env_worker(cfg, task_dirs, f"env-{tag}-{i}") for i in range(sc.num_env_workers)]
         self.learner = spawn(Learner, cfg, str(self.run_dir), name=f"learner-{tag}", cpus=cfg.ray.learner_cpus,
-                             gpus=cfg.ray.learner_gpus)
+                             gpus=cfg.ray.learner_gpus, concurrency=2)  # packet() is served while train runs
         self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self.train_prompts, f"rollout{i}",
                               name=f"rollout-{tag}-{i}", cpus=cfg.ray.rollout_cpus, gpus=cfg.ray.rollout_gpus,
                               concurrency=sc.groups_per_worker + 3) for i in range(sc.num_rollout_workers)]
@@ -180,13 +180,13 @@ class Reconciler:
         min_v = int(versions.min()) if versions.size else self.version
         if min_v < oldest_allowed(self.version, sc.max_staleness):  # cannot happen: _take_batch filters
             raise AssertionError(f"staleness bound violated: token v{min_v} at learner v{self.version}")
-        metrics_ref, packet_ref = self.learner.train.options(num_returns=2).remote(batch)
+        metrics_ref = self.learner.train.remote(batch)
         info = {"groups": [g.group_id for g in groups], "t0": time.perf_counter(),
                 "reward": float(np.mean([g.rewards.mean() for g in groups])),
                 "tokens": int(mask.sum()), "samples": sum(len(g.rollouts) for g in groups),
                 "min_token_version": min_v, "staleness_max": self.version - min_v,
                 "staleness_mean": float(self.version - versions.mean()) if versions.size else 0.0}
-        self.training = (metrics_ref, packet_ref, info)
+        self.training = (metrics_ref, info)
 
     # completions --------------------------------------------------------------------------------------
     def _on_group(self, ref) -> None:
@@ -236,10 +236,12 @@ class Reconciler:
     def _on_trained(self) -> None:
         import ray
 
-        metrics_ref, packet_ref, info = self.training
+        metrics_ref, info = self.training
         self.training = None
         metrics = ray.get(metrics_ref, timeout=self.cfg.system.call_timeout_s)
         self.version += 1
+        # the packet is still being encoded on the learner; samplers wait on this ref, the learner goes on
+        packet_ref = self.learner.packet.remote(self.version)
         self.chain.add(self.version, "full" if metrics.get("sync/full") else "delta", packet_ref)
         for wkr in self.workers:  # fire and forget: the learner never waits for a sampler
             wkr.sync.remote(self.chain.payloads())

@@ -60,13 +60,18 @@ class DeltaEncoder:
         self._prev: dict[str, np.ndarray] | None = None
         self._prev_version: int | None = None
 
+    def kind(self, weights: dict[str, np.ndarray], version: int, *, force_full: bool = False) -> str:
+        """"full" or "delta": what `encode` will make of `weights` at `version` after the packets so far."""
+        full = (force_full or self._prev is None or version % self.full_every == 0
+                or set(weights) != set(self._prev))
+        return "full" if full else "delta"
+
     def encode(self, weights: dict[str, np.ndarray], version: int, *, force_full: bool = False) -> WeightPacket:
         import time
 
         t0 = time.perf_counter()
         compress = _COMPRESS[self.compression][0]
-        full = (force_full or self._prev is None or version % self.full_every == 0
-                or set(weights) != set(self._prev))
+        full = self.kind(weights, version, force_full=force_full) == "full"
         leaves, same, total = {}, 0, 0
         bits_now = {}
         for name, value in weights.items():
