@@ -8,7 +8,7 @@ Two latency scenarios by default, each sync then async with identical actors and
 - heavy-tailed (sigma 1): real test suites' run times vary by orders of magnitude; a synchronous step waits
   for the slowest of its batch's rollouts, an asynchronous run keeps every rollout slot busy meanwhile.
 
-    python -m experiments.bench.async_vs_sync [--steps 16] [--delay 0.3] [--sigmas 0,1] [key=value ...]
+    python -m experiments.bench.async_vs_sync [--steps 24] [--delay 0.3] [--sigmas 0,1] [key=value ...]
 
 Prints a table and writes runs/bench/async_vs_sync.json.
 
@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-# The learner's model is the tiny preset widened so one rl_step (~1 s here) is comparable to a batch's
-# rollout time, as on a cluster where training and sampling are both heavy; 4 groups x 8 samples a step.
-BASE = ["model.preset=tiny", "model.vocab_size=16", "model.hidden_size=256", "model.num_hidden_layers=4",
+# The tiny preset widened to hidden 512, so one rl_step (~0.25 s alone, ~0.5 s beside the samplers) is
+# comparable to generating a step's batch (~0.25 s for 4 groups x 8 samples x 16 tokens on one engine), as on
+# a cluster where training and sampling are both heavy.
+BASE = ["model.preset=tiny", "model.vocab_size=16", "model.hidden_size=512", "model.num_hidden_layers=4",
         "model.num_nextn_predict_layers=0", "model.moe_impl=dense", "model.n_group=1", "model.topk_group=1",
         "rl.learning_rate=3e-3", "rl.loss.constant_normalizer=256", "env.gen_len=16", "env.prompt_len=2",
         "system.seq_len=24", "system.group_size=8", "system.groups_per_step=4", "engine.slots=32",
@@ -124,7 +125,7 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=0, help="steps left out of the rates (0: max_staleness + 2)")
     ap.add_argument("--delay", type=float, default=0.3,
                     help="median emulated environment seconds per rollout (grading a ladder task: ~0.35 s, "
