@@ -209,16 +209,34 @@ def test_swebench_rejects_malformed_lists(tmp_path):
 
 # ---------------------------------------------------------------------------------------- ladder
 def test_ladder_is_deterministic_and_validates(tmp_path):
-    build_ladder(tmp_path / "a", seed=3, per_rung=1)
+    tasks = [load_task(p) for p in build_ladder(tmp_path / "a", seed=3, per_rung=1)]  # in RUNGS order
     build_ladder(tmp_path / "b", seed=3, per_rung=1)
-    tasks = load_tasks(tmp_path / "a")
-    assert [t.category for t in tasks] == ["ladder/answer", "ladder/lookup", "ladder/micro_bug"]
+    assert [t.category for t in tasks] == ["ladder/echo", "ladder/answer", "ladder/lookup", "ladder/micro_bug"]
     for t in tasks:
         assert (tmp_path / "b" / t.id / "task.toml").read_text() == (t.path / "task.toml").read_text()
         assert set(t.prompts) == {"terse", "issue", "full"} and t.lines_changed >= 1
         v = validate_task(t, factory)
         assert v.ok, (t.id, v.reason)
 
+
+def test_ladder_echo_rung_copies_the_prompt_and_grades(tmp_path):
+    """The easiest rung: the terse prompt quotes the exact answer; the normal grader runs the hidden test,
+    which fails on the base repo, passes with the reference and fails on a near copy."""
+    (path,) = build_ladder(tmp_path, seed=5, per_rung=1, rungs=("echo",))
+    task = load_task(path)
+    assert task.category == "ladder/echo" and task.id == "ladder-echo-000"
+    text = task.prompt("terse").split('"')[1]
+    word, number = text.split()
+    assert task.prompt("terse") == f'write "{text}" -> answer.txt' and number.isdigit()
+    assert all(text in p for p in task.prompts.values())
+    assert task.fail_to_pass == ("tests/test_answer.py::test_answer",) and not (task.repo_dir / "tests").exists()
+    base = grade(task, None, factory)
+    assert base.status == "unresolved" and base.fail_to_pass["failure"] == list(task.fail_to_pass)
+    ref = grade(task, task.solution_patch, factory)
+    assert ref.resolved and ref.reward == 1.0
+    readme = {"README.md": "Scratch workspace.\n"}
+    near = grade(task, make_patch(readme, {**readme, "answer.txt": f"{word} {int(number) + 1}\n"}), factory)
+    assert near.status == "unresolved" and near.reward == 0.0
 
 # ---------------------------------------------------------------------------------- real sdist
 @pytest.mark.slow

@@ -61,11 +61,14 @@ class DemoConfig:
     sft_batch: int = 4
     cpt_lr: float = 5e-3
     sft_tasks: int = 256  # TRAIN ladder tasks the scripted oracle solves for SFT transcripts
+    # the ladder rung of SFT transcripts, RL and eval (rl/tasks/ladder.py): `echo` (write the quoted string to
+    # answer.txt) is learnable by this model; `answer` (arithmetic) is not, and its RL reward stays 0
+    rung: str = "echo"
     # episodes (SFT rendering, RL and eval use the same budgets)
     context: int = 1024  # system prompt (tool signatures) + task ~0.6k byte tokens, + max_new_tokens
-    max_new_tokens: int = 120  # one write_file call for answer.txt is ~105 byte tokens + <|im_end|>
+    max_new_tokens: int = 120  # one write_file call for answer.txt is ~105-115 byte tokens + <|im_end|>
     temperature: float = 1.0
-    # asynchronous RL (rl.system) on the ladder's `answer` rung
+    # asynchronous RL (rl.system) on the ladder rung `rung`
     rl_steps: int = 16
     rl_tasks: int = 8
     group_size: int = 8
@@ -83,6 +86,10 @@ class DemoConfig:
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "seed" and v <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
+        from rl.tasks.ladder import RUNGS
+
+        if self.rung not in RUNGS:
+            raise ValueError(f"--rung must be one of {', '.join(RUNGS)}, got {self.rung!r}")
         if self.sandbox not in ("auto", "bwrap", "local"):
             raise ValueError(f"--sandbox must be auto, bwrap or local, got {self.sandbox!r}")
         if self.eval_k < 2:
@@ -165,7 +172,7 @@ def yarn(cfg: DemoConfig):
 def episode_config(cfg: DemoConfig):
     from rl.harness import EpisodeConfig
 
-    # one turn: the `answer` rung is solved by one write_file call; the episode then ends and is graded
+    # one turn: the `echo` and `answer` rungs are solved by one write_file call; the episode then ends and is graded
     # one prompt for transcripts, SFT, RL and eval: short instructions and one line per tool
     return EpisodeConfig(max_turns=1, max_model_tokens=cfg.max_new_tokens, max_new_tokens_per_turn=cfg.max_new_tokens,
                          max_context_tokens=cfg.context, wall_clock_s=600.0, temperature=cfg.temperature,
@@ -185,11 +192,11 @@ def sandbox_factory(cfg: DemoConfig):
     return make(cfg.sandbox_kind())
 
 
-def ladder(out: Path, seed: int, per_rung: int):
+def ladder(out: Path, seed: int, per_rung: int, rung: str):
     from rl.tasks.ladder import build_ladder
     from rl.tasks.task import load_task
 
-    return [load_task(p) for p in build_ladder(out, seed=seed, per_rung=per_rung, rungs=("answer",))]
+    return [load_task(p) for p in build_ladder(out, seed=seed, per_rung=per_rung, rungs=(rung,))]
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -215,8 +222,9 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     tok_dir.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer()
     data_tokenizer(tok).save(str(tok_dir / "tokenizer.json"))
-    held_prompts = {t.prompt("terse") for t in ladder(out / "data" / "tasks" / "eval", cfg.seed + 1000, cfg.eval_tasks)}
-    train = ladder(out / "data" / "tasks" / "train", cfg.seed, cfg.sft_tasks)
+    held_out = ladder(out / "data" / "tasks" / "eval", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
+    held_prompts = {t.prompt("terse") for t in held_out}
+    train = ladder(out / "data" / "tasks" / "train", cfg.seed, cfg.sft_tasks, cfg.rung)
     kept = [t for t in train if t.prompt("terse") not in held_prompts]
     jsonl = out / "data" / "sft_tool_use.jsonl"
     stats = write_transcripts(kept, jsonl, episode_config(cfg), sandbox_factory(cfg), prompt_level="terse",
@@ -424,7 +432,7 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
     from c2jax.config import dump_yaml
     from rl.eval import EvalConfig, evaluate
 
-    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks)
+    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
     ecfg = EvalConfig(samples=cfg.eval_k, ks=(1, cfg.eval_k), concurrency=1, sandbox=cfg.sandbox_kind(),
                       prompt_level="terse", selector="model_score", seed=cfg.seed, bootstrap_samples=200,
                       label=label, episode=episode_config(cfg))
@@ -464,7 +472,7 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
         rl=RLConfig(learning_rate=cfg.rl_lr, loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
         engine=engine_config(cfg),
-        env=EnvConfig(kind="ladder", rungs=("answer",), per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
+        env=EnvConfig(kind="ladder", rungs=(cfg.rung,), per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
                       sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,
                       episode=episode_config(cfg)),
         system=SystemConfig(mode="async", steps=cfg.rl_steps, group_size=cfg.group_size,

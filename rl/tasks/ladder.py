@@ -1,6 +1,7 @@
 """A ladder of small learnable tasks for tiny models (RL demos on CPU), generated from a seed.
 
 Rungs, easiest first, all in the normal task format and graded by the normal pytest grader:
+  echo       single turn: the prompt quotes the exact string to write to answer.txt (tool-call format + copying)
   answer     single turn: the prompt holds everything; write a short string to answer.txt
   lookup     multi-turn tool use: the answer depends on a file the agent must read first
   micro_bug  a micro repository (3-5 small functions) with a one-token bug; hidden tests name it
@@ -15,7 +16,7 @@ from pathlib import Path
 from rl.tasks.patches import make_patch, patch_size
 from rl.tasks.task import Task, write_task
 
-RUNGS = ("answer", "lookup", "micro_bug")
+RUNGS = ("echo", "answer", "lookup", "micro_bug")
 
 _ANSWER_TEST = '''from pathlib import Path
 
@@ -23,6 +24,25 @@ _ANSWER_TEST = '''from pathlib import Path
 def test_answer():
     assert Path("answer.txt").read_text().strip() == {expected!r}
 '''
+
+_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor", "iris", "juniper", "kelp",
+          "lumen", "maple", "nectar", "orbit", "pebble"]
+
+
+# five letters each, distinct first letters: every echo answer has the same length (9 characters)
+_ECHO_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "hazel", "ivory", "jolly", "koala",
+               "lemon", "maple", "noble", "olive", "pearl"]
+
+
+def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
+    text = f"{rng.choice(_ECHO_WORDS)} {rng.randint(100, 999)}"  # e.g. "maple 417": copied, not computed
+    prompts = {"terse": f'write "{text}" -> answer.txt',
+               "issue": f'Write the text "{text}" to answer.txt.',
+               "full": f'Create a file answer.txt in the repository root containing exactly the text "{text}" '
+                       f"(without the quotes), followed by a newline."}
+    repo = {"README.md": "Scratch workspace.\n"}
+    return _task(f"ladder-echo-{idx:03d}", "echo", "easy", prompts), repo, \
+        {**repo, "answer.txt": text + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=text)}
 
 
 def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
@@ -36,10 +56,6 @@ def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], di
     repo = {"README.md": "Scratch workspace.\n"}
     return _task(f"ladder-answer-{idx:03d}", "answer", "easy", prompts), repo, \
         {**repo, "answer.txt": expected + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=expected)}
-
-
-_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor", "iris", "juniper", "kelp",
-          "lumen", "maple", "nectar", "orbit", "pebble"]
 
 
 def _lookup_task(rng, idx):
@@ -104,7 +120,7 @@ def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str]) -> 
                 metadata={"generator": "ladder", "rung": rung})
 
 
-_BUILDERS = {"answer": _answer_task, "lookup": _lookup_task, "micro_bug": _micro_bug_task}
+_BUILDERS = {"echo": _echo_task, "answer": _answer_task, "lookup": _lookup_task, "micro_bug": _micro_bug_task}
 
 
 def build_ladder(out_dir: str | Path, *, seed: int = 0, per_rung: int = 4,
