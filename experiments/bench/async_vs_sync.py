@@ -3,12 +3,14 @@ and mean / max staleness, at bounded staleness, in one run. Real InferenceEngine
 learner on local Ray, the single-turn target task; `env.delay_s` emulates the sandbox/grader time of an
 agentic rollout (what asynchrony overlaps) and `env.delay_sigma` its spread (log-normal around the median).
 
-Two latency scenarios by default, each sync then async with identical actors and settings:
+Two token profiles (PROFILES: generation-heavy "short", prefill-heavy "agentic") x two latency scenarios by
+default, each sync then async with identical actors and settings:
 - constant (sigma 0): asynchrony can only overlap the learner step with rollouts;
 - heavy-tailed (sigma 1): real test suites' run times vary by orders of magnitude; a synchronous step waits
   for the slowest of its batch's rollouts, an asynchronous run keeps every rollout slot busy meanwhile.
 
-    python -m experiments.bench.async_vs_sync [--steps 24] [--delay 0.3] [--sigmas 0,1] [key=value ...]
+    python -m experiments.bench.async_vs_sync [--steps 24] [--delay 0.3] [--sigmas 0,1]
+        [--profiles short,agentic] [key=value ...]
 
 Prints a table and writes runs/bench/async_vs_sync.json.
 
@@ -39,6 +41,16 @@ BASE = ["model.preset=tiny", "model.vocab_size=16", "model.hidden_size=512", "mo
         "engine.max_len=32", "engine.chunk_steps=4", "engine.key_bucket=32", "engine.min_prompt_bucket=2",
         "resume=false", "dashboard=false", "checkpoint.every=1000", "system.num_rollout_workers=2",
         "system.groups_per_worker=4"]
+
+
+# Token profiles of a step's samples. "short": a 2-token prompt, 16 sampled tokens (generation-heavy, like
+# single-turn reasoning). "agentic": a 64-token context, 8 sampled tokens, as in agentic RL where most of a
+# trajectory is tool output the sampler only prefills but the learner runs forward and backward over.
+PROFILES = {
+    "short": [],
+    "agentic": ["env.prompt_len=64", "env.gen_len=8", "system.seq_len=72", "engine.max_len=80",
+                "engine.key_bucket=80", "engine.min_prompt_bucket=64"],
+}
 
 
 def measure(mode: str, steps: int, delay: float, staleness: int, out_dir: Path, extra: list[str],
@@ -131,6 +143,7 @@ def main() -> None:
                     help="median emulated environment seconds per rollout (grading a ladder task: ~0.35 s, "
                          "experiments/bench/env_throughput.py)")
     ap.add_argument("--sigmas", default="0,1", help="latency spreads to run (log-normal sigma; 0: constant)")
+    ap.add_argument("--profiles", default="short,agentic", help=f"token profiles to run: {', '.join(PROFILES)}")
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--out", default="runs/bench")
@@ -151,6 +164,10 @@ def main() -> None:
     from rich.table import Table
 
     sigmas = [float(x) for x in args.sigmas.split(",")]
+    profiles = args.profiles.split(",")
+    unknown = set(profiles) - set(PROFILES)
+    if unknown:
+        raise SystemExit(f"unknown --profiles {sorted(unknown)}; expected some of {sorted(PROFILES)}")
     warmup = args.warmup or args.max_staleness + 2
     if args.steps <= warmup + 1:
         raise SystemExit(f"--steps {args.steps} leaves no steady-state steps after {warmup} warm-up steps")
@@ -159,32 +176,39 @@ def main() -> None:
     out_dir = Path(args.out)
     rows = []
     try:
-        for sigma in sigmas:
-            for mode in ("sync", "async"):
-                rows.append(measure(mode, args.steps, args.delay, args.max_staleness, out_dir / "async_vs_sync_runs",
-                                    args.overrides, warmup, sigma))
-                print(f"sigma {sigma:g} {mode}: {rows[-1]['samples_per_s']:.1f} samples/s", flush=True)
+        for profile in profiles:
+            for sigma in sigmas:
+                for mode in ("sync", "async"):
+                    row = measure(mode, args.steps, args.delay, args.max_staleness, out_dir / "async_vs_sync_runs",
+                                  [*PROFILES[profile], *args.overrides], warmup, sigma)
+                    rows.append({"profile": profile, **row})
+                    print(f"{profile} sigma {sigma:g} {mode}: {row['samples_per_s']:.1f} samples/s, learner busy "
+                          f"{row['learner_busy']:.0%}", flush=True)
     finally:
         ray.shutdown()
     table = Table(title=f"RL throughput: env delay median {args.delay}s/rollout, max_staleness {args.max_staleness}, "
                         f"steps {warmup + 1}..{args.steps}, {args.num_cpus} CPUs")
-    cols = ["delay_sigma", "mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy", "staleness_mean",
-            "staleness_max", "dropped_stale", "sync_kib_per_step", "reward_first", "reward_last"]
+    cols = ["profile", "delay_sigma", "mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy",
+            "staleness_mean", "staleness_max", "dropped_stale", "sync_kib_per_step", "reward_first", "reward_last"]
     for c in cols:
         table.add_column(c)
     for r in rows:
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     Console(width=200).print(table)
     speedups = {}
-    for sigma in sigmas:
-        sync, asyn = (next(r for r in rows if r["delay_sigma"] == sigma and r["mode"] == m) for m in ("sync", "async"))
-        speedups[f"sigma={sigma:g}"] = asyn["samples_per_s"] / sync["samples_per_s"]
-        print(f"sigma {sigma:g}: async / sync samples/s = {speedups[f'sigma={sigma:g}']:.2f}x, "
-              f"async learner busy {asyn['learner_busy']:.0%}, staleness mean {asyn['staleness_mean']:.2f} "
-              f"max {asyn['staleness_max']}")
+    for profile in profiles:
+        for sigma in sigmas:
+            sync, asyn = (next(r for r in rows if r["profile"] == profile and r["delay_sigma"] == sigma
+                               and r["mode"] == m) for m in ("sync", "async"))
+            key = f"{profile}, sigma={sigma:g}"
+            speedups[key] = asyn["samples_per_s"] / sync["samples_per_s"]
+            print(f"{key}: async / sync samples/s = {speedups[key]:.2f}x, async learner busy "
+                  f"{asyn['learner_busy']:.0%}, staleness mean {asyn['staleness_mean']:.2f} "
+                  f"max {asyn['staleness_max']}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "async_vs_sync.json").write_text(json.dumps(
-        {"config": vars(args), "base_overrides": BASE, "results": rows, "async_over_sync": speedups,
+        {"config": vars(args), "base_overrides": BASE, "profiles": {p: PROFILES[p] for p in profiles},
+         "results": rows, "async_over_sync": speedups,
          "cpu_count": os.cpu_count(), "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()},
         indent=1))
     print(f"wrote {out_dir / 'async_vs_sync.json'}")
