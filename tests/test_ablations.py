@@ -156,3 +156,29 @@ def test_full_scale_rl_config_is_the_report_setup():
     assert cfg.router_replay and cfg.system.mode == "async"
     assert cfg.env.episode.summary_trigger_tokens is not None  # self-summarization on long episodes
     assert load_pretrain_config(CONFIGS / "composer2_k2.5.yaml").model.moe_quant == cfg.model.moe_quant
+
+
+def test_self_summarization_carries_a_long_chain_past_the_context_truncation_does_not(tmp_path):
+    module = _load_script("11_self_summarization")
+    result = module.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "self_summarization.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == result["rows"]
+    rows = {(r["arm"], r["length"]): r for r in result["rows"]}
+    ctx = result["config"]["episode"]["max_context_tokens"]
+    for arm in ("truncation", "self_summary"):  # a 2-note chain fits one context: the arms are the same episode
+        assert rows[(arm, 2)]["success_rate"] == 1.0 and rows[(arm, 2)]["mean_summaries"] == 0
+    assert rows[("truncation", 2)]["mean_total_tokens"] == rows[("self_summary", 2)]["mean_total_tokens"]
+    # a 16-note chain does not fit: truncation fills the context and ends; self-summary continues from summaries
+    cut, summ = rows[("truncation", 16)], rows[("self_summary", 16)]
+    assert cut["success_rate"] == 0.0 and cut["finish_reasons"] == {"context_full": 1} and cut["mean_notes_read"] < 16
+    assert summ["success_rate"] == 1.0 and summ["finish_reasons"] == {"submitted": 1}
+    assert summ["mean_summaries"] >= 1 and summ["mean_segments"] == summ["mean_summaries"] + 1
+    assert summ["mean_notes_read"] == 16 and summ["restarts"] == 0 and summ["summaries_cut"] == 0
+    assert summ["mean_peak_context"] <= ctx < summ["mean_total_tokens"]
+    # the policy acts on its visible context only: with no pointer in view it reads the start note again
+    instruction = "Start by reading `notes/a.txt`. Then follow it."
+    state = module.visible_state([{"role": "system", "content": "s"}, {"role": "user", "content": instruction}])
+    assert state["latest"] is None and state["start"] == "notes/a.txt"
+    summary = module.summary_text({"start": "notes/a.txt", "latest": ("next", "notes/b.txt"), "read": ["x"]})
+    resumed = module.visible_state([{"role": "user", "content": instruction + "\n\n" + summary}])
+    assert resumed["latest"] == ("next", "notes/b.txt")

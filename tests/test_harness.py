@@ -354,6 +354,34 @@ def test_self_summarization_chains_segments_sharing_reward(sandbox, tokenizer):
     assert sum(sum(s.loss_mask) for s in samples) == sum(len(g.token_ids) for g in policy.outputs)
 
 
+def test_a_tool_output_past_the_trigger_is_cut_so_the_summary_still_fits(sandbox, tokenizer):
+    """A trigger near the context limit: one tool output jumps over it. The output is cut (head kept, a
+    marker) to leave room for the summary request and the summary, the summary runs at the latest point it
+    fits, and no segment's transcript exceeds max_context_tokens."""
+    sandbox.write_text("big.txt", "".join(f"filler line {i}\n" for i in range(400)))  # ~6k tokens
+    texts = [tc("read_file", path="big.txt", limit=1000), tc("submit")]
+    policy = FakePolicy(tokenizer, texts, summary_text="SUMMARY: big.txt is filler")
+    renderer = ChatRenderer(tokenizer)
+    task, tools = EpisodeTask("t", "Inspect the repo."), default_registry()
+    prompt_len = len(renderer.render_prompt([{"role": "system", "content": build_system_prompt(tools)},
+                                             {"role": "user", "content": task.instruction}]))
+    context = prompt_len + 1500
+    cfg = EpisodeConfig(max_context_tokens=context, summary_trigger_tokens=context - 200, summary_max_new_tokens=200)
+    traj = run_episode(SamplerAgent(policy, renderer), sandbox, task, tools, cfg)
+    assert traj.finish_reason == "submitted" and traj.num_summaries == 1, traj.finish_reason
+    assert [s.kind for s in traj.steps] == ["act", "summary", "act"]
+    read = traj.steps[0].observations[0].output
+    assert "filler line 399" in read  # the tool itself returned everything ...
+    first = renderer.decode(traj.segments[0].token_ids)
+    assert "output cut at" in first and "filler line 399" not in first  # ... the context got its head
+    assert all(len(seg.token_ids) <= context for seg in traj.segments)
+    # without self-summarization the output is cut to the context too, and the episode ends there
+    policy = FakePolicy(tokenizer, [tc("read_file", path="big.txt", limit=1000), tc("submit")])
+    traj = run_episode(SamplerAgent(policy, renderer), sandbox, task, tools,
+                       EpisodeConfig(max_context_tokens=context))
+    assert all(len(seg.token_ids) <= context for seg in traj.segments)
+
+
 # Episodes with scripted and HTTP agents; the trajectory file --------------------------------------
 
 SOLUTION = [

@@ -193,6 +193,37 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
             return config.max_new_tokens_per_turn
         return config.max_context_tokens - len(seg.tokens) - agent.renderer.turn_overhead()
 
+    def reserved(seg: _SegmentState) -> int:
+        """Tokens kept free after tool output: the summary request and the summary itself while the episode
+        may still summarize (otherwise a tool output that overshoots the trigger leaves no room for it),
+        else one more assistant turn's header."""
+        overhead = agent.renderer.turn_overhead()
+        if config.summary_trigger_tokens is None or traj.num_summaries >= config.max_summaries:
+            return overhead
+        request = len(agent.renderer.render_message({"role": "user", "content": SUMMARY_PROMPT}))
+        return request + overhead + config.summary_max_new_tokens
+
+    def fit_observation(seg: _SegmentState, message: dict) -> dict:
+        """`message` with its output cut (head kept, a marker appended) so the segment's transcript stays
+        within max_context_tokens minus what `reserved` keeps free; token-level agents only."""
+        if seg.tokens is None:
+            return message
+        limit = config.max_context_tokens - reserved(seg) - len(seg.tokens)
+        if len(agent.renderer.render_message(message)) <= limit:
+            return message
+        text, lo, hi = message["content"], 0, len(message["content"])
+
+        def cut(n: int) -> dict:
+            return {**message, "content": text[:n] + f"\n[... output cut at {n} of {len(text)} characters: the "
+                                                       "context is full ...]"}
+        while lo < hi:  # the longest head that fits (token counts grow with the kept characters)
+            mid = (lo + hi + 1) // 2
+            if len(agent.renderer.render_message(cut(mid))) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return cut(lo)
+
     seg = new_segment(task.instruction)
     turn = 0
     try:
@@ -205,6 +236,8 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
             if budget <= 0:
                 raise _Finished("max_tokens")
             trig = config.summary_trigger_tokens
+            if trig is not None and seg.tokens is not None:  # summarize at the latest while the summary fits
+                trig = min(trig, config.max_context_tokens - reserved(seg))
             grown = any(s.segment == seg.record.index and s.kind == "act" for s in traj.steps[-1:])
             if (trig is not None and grown and seg.context_len() >= trig
                     and traj.num_summaries < config.max_summaries):
@@ -231,8 +264,8 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
             tool_s = time.monotonic() - t_tools
             totals["tool_s"] += tool_s
             for obs in observations:
-                add_env_message(seg, {"role": "tool", "tool_call_id": obs.tool_call_id, "name": obs.name,
-                                      "content": obs.output})
+                add_env_message(seg, fit_observation(seg, {"role": "tool", "tool_call_id": obs.tool_call_id,
+                                                           "name": obs.name, "content": obs.output}))
             traj.steps.append(make_step(seg, turn, "act", out, model_s, observations, tool_s))
             turn += 1
             if ctx.submitted:
