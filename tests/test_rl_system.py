@@ -201,7 +201,7 @@ def test_async_run_bounds_staleness_syncs_weights_and_evaluates(async_run):
     assert len(deltas) == 4 and all(r["sync/identical_fraction"] > 0.5 and r["sync/bytes"] < 0.5 * r["sync/raw_bytes"]
                                     for r in deltas)
     assert all("sync/identical_fraction" not in r for r in out["history"] if r["sync/stats_version"] in (0, 4))
-    assert {r["step"] for r in out["eval"]} >= {0, 3, 6} and all("best_of_2" in r for r in out["eval"])
+    assert {r["step"] for r in out["eval"]} >= {0, 3, 6} and all("best_of_2" in r for r in out["eval"]), out["eval"]
     rows = async_run["rows"]
     assert len(rows) == 6 and "sync/bytes" in rows[0] and (cfg.run_dir / "config.yaml").exists()
     assert len(async_run["eval_rows"]) >= 2

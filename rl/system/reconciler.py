@@ -45,6 +45,7 @@ class Reconciler:
         self.retry: collections.deque[dict] = collections.deque()
         self.training = None
         self.eval_ref = None
+        self.eval_due: collections.deque[tuple[int, list]] = collections.deque()
         self.chain = WeightChain()
         self.staleness = StalenessManager(cfg.system.max_staleness, cfg.system.groups_per_step)
         self.trained_rewards: collections.deque[float] = collections.deque(maxlen=64)
@@ -249,23 +250,33 @@ class Reconciler:
         self.learner_busy_s += metrics.get("learner/step_s", 0.0)
         self.trained_rewards.append(info["reward"])
         self._log(metrics, info)
-        if self.evaluator is not None and self.eval_ref is None and (
+        if self.evaluator is not None and (
                 self.version % self.cfg.eval.every == 0 or self.version >= self.cfg.system.steps):
-            self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), self.cfg.eval.k,
-                                                           self.chain.payloads(), self.version)
+            # queued with this version's weight chain: an eval still running delays it, never skips it
+            self.eval_due.append((self.version, self.chain.payloads()))
+            self._launch_eval()
         if self.on_step is not None:
             self.on_step(self)
+
+    def _launch_eval(self) -> None:
+        if self.eval_ref is None and self.eval_due:
+            version, payloads = self.eval_due.popleft()
+            self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), self.cfg.eval.k, payloads,
+                                                           version)
 
     def _on_eval(self) -> None:
         import ray
 
-        ref, self.eval_ref = self.eval_ref, None
+        ref = self.eval_ref
         try:
             res = ray.get(ref, timeout=self.cfg.system.call_timeout_s)
         except Exception as e:  # noqa: BLE001
             self.counts["evals_failed"] += 1
             print(f"warning: online eval failed: {type(e).__name__}: {e}")
             return
+        finally:  # the next one starts only now: two evals at once would share the evaluator's weights
+            self.eval_ref = None
+            self._launch_eval()
         version = int(res.pop("version"))
         self.eval_history.append({"step": version, **res})
         self.metrics.write(version, res, kind="eval")
@@ -313,12 +324,12 @@ class Reconciler:
             self._expire()
             if dashboard is not None:
                 dashboard.update(self)
-        if self.eval_ref is not None:
+        while self.eval_ref is not None:  # the evals still due, in order
             self._on_eval()
         if self.evaluator is not None and (not self.eval_history or self.eval_history[-1]["step"] < self.version):
-            self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), self.cfg.eval.k,
-                                                           self.chain.payloads(), self.version)
-            self._on_eval()  # the final weights are always evaluated
+            self.eval_due.append((self.version, self.chain.payloads()))  # the final weights are always evaluated
+            self._launch_eval()
+            self._on_eval()
         return self.summary()
 
     def _expire(self) -> None:
