@@ -120,14 +120,31 @@ def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str]) -> 
                 metadata={"generator": "ladder", "rung": rung})
 
 
+def write_generated_task(task: Task, repo: dict[str, str], solved: dict[str, str], overlay: dict[str, str],
+                         out_dir: str | Path, *, f2p, p2p=(), seed: int) -> Path:
+    """Writes a generated task: `repo` as its environment, the patch to `solved` as its reference solution,
+    `overlay` as its hidden tests; F2P/P2P, patch size and the seed recorded."""
+    import dataclasses
+
+    patch = make_patch(repo, solved)
+    lines, files = patch_size(patch)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel, text in repo.items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_text(text)
+        task = dataclasses.replace(
+            task, repo_dir=Path(tmp), fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
+            test_files=tuple(sorted(overlay)), solution_patch=patch, lines_changed=lines, files_changed=files,
+            metadata={**task.metadata, "seed": seed})
+        return write_task(task, out_dir, overlay={k: v.encode() for k, v in overlay.items()})
+
+
 _BUILDERS = {"echo": _echo_task, "answer": _answer_task, "lookup": _lookup_task, "micro_bug": _micro_bug_task}
 
 
 def build_ladder(out_dir: str | Path, *, seed: int = 0, per_rung: int = 4,
                  rungs: tuple[str, ...] = RUNGS) -> list[Path]:
     """Writes `per_rung` tasks of each rung under `out_dir`; the same seed gives the same tasks."""
-    import dataclasses
-
     unknown = set(rungs) - set(RUNGS)
     if unknown:
         raise ValueError(f"unknown ladder rungs {sorted(unknown)}; expected a subset of {RUNGS}")
@@ -137,15 +154,5 @@ def build_ladder(out_dir: str | Path, *, seed: int = 0, per_rung: int = 4,
         for idx in range(per_rung):
             made, repo, solved, overlay = _BUILDERS[rung](rng, idx)
             task, f2p, p2p = made if isinstance(made, tuple) else (made, ["tests/test_answer.py::test_answer"], [])
-            patch = make_patch(repo, solved)
-            lines, files = patch_size(patch)
-            with tempfile.TemporaryDirectory() as tmp:
-                for rel, text in repo.items():
-                    (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-                    (Path(tmp) / rel).write_text(text)
-                task = dataclasses.replace(
-                    task, repo_dir=Path(tmp), fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
-                    test_files=tuple(sorted(overlay)), solution_patch=patch, lines_changed=lines,
-                    files_changed=files, metadata={**task.metadata, "seed": seed})
-                written.append(write_task(task, out_dir, overlay={k: v.encode() for k, v in overlay.items()}))
+            written.append(write_generated_task(task, repo, solved, overlay, out_dir, f2p=f2p, p2p=p2p, seed=seed))
     return written

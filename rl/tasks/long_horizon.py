@@ -15,21 +15,12 @@ reads the chain keeps its state across a long context, not search skill.
 
 from __future__ import annotations
 
-import dataclasses
 import random
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from rl.tasks.patches import make_patch, patch_size
-from rl.tasks.task import Task, write_task
-
-_ANSWER_TEST = '''from pathlib import Path
-
-
-def test_answer():
-    assert Path("answer.txt").read_text().strip() == {expected!r}
-'''
+from rl.tasks.ladder import _ANSWER_TEST, write_generated_task
+from rl.tasks.task import Task
 
 _WORDS = ["amber", "basalt", "canyon", "drift", "ember", "fjord", "glacier", "heron", "island", "jasper", "kestrel",
           "lagoon", "meadow", "nimbus", "oasis", "prairie", "quartz", "ridge", "summit", "tundra", "upland", "valley",
@@ -97,15 +88,6 @@ def build_chain_tasks(out_dir: str | Path, *, seed: int = 0, lengths: Sequence[i
         rng = random.Random(f"{seed}/chain/{int(length)}/{filler_lines}/{line_chars}")
         for idx in range(per_length):
             task, repo, solved, overlay = _chain_task(rng, int(length), idx, filler_lines, line_chars)
-            patch = make_patch(repo, solved)
-            lines, files = patch_size(patch)
-            with tempfile.TemporaryDirectory() as tmp:
-                for rel, text in repo.items():
-                    (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-                    (Path(tmp) / rel).write_text(text)
-                task = dataclasses.replace(
-                    task, repo_dir=Path(tmp), fail_to_pass=("tests/test_answer.py::test_answer",),
-                    test_files=tuple(sorted(overlay)), solution_patch=patch, lines_changed=lines, files_changed=files,
-                    metadata={**task.metadata, "seed": seed})
-                written.append(write_task(task, out_dir, overlay={k: v.encode() for k, v in overlay.items()}))
+            written.append(write_generated_task(task, repo, solved, overlay, out_dir,
+                                                f2p=("tests/test_answer.py::test_answer",), seed=seed))
     return written
