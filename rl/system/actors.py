@@ -102,7 +102,7 @@ class RolloutWorker:
         self.ray, self.cfg, self.env_workers, self.prompts, self.worker_id = ray, cfg, env_workers, prompts, worker_id
         self.renderer = None
         detok = None
-        if cfg.env.kind == "ladder":
+        if cfg.env.kind in ("ladder", "text"):
             from rl.harness import ChatRenderer
 
             self.renderer = ChatRenderer(byte_tokenizer())
@@ -173,10 +173,13 @@ class RolloutWorker:
         call = self._env_call(env)
         sc, ec = self.cfg.system, self.cfg.env
         size = spec.get("group_size", sc.group_size)
-        if ec.kind == "target":
+        if ec.kind in ("target", "text"):
+            text = ec.kind == "text"
             rollouts = run_target_group(lambda reqs: self.policy.generate(reqs, self._swap_at_chunk), call,
                                         self.prompts[spec["prompt_id"]], ec, size, spec["seed"],
-                                        sc.max_episode_retries, self.cfg.router_replay)
+                                        sc.max_episode_retries, self.cfg.router_replay,
+                                        task_id=spec["prompt_id"] if text else None,
+                                        stop_ids=(self.renderer.im_end_id,) if text else ())
         else:
             # the G episodes run concurrently, one thread each, on the one engine: their turns decode together
             # in its slots (continuous batching), and one episode's tool calls overlap the others' decoding

@@ -71,9 +71,11 @@ class WeightSyncConfig:
 class EnvConfig:
     """`target`: single-turn, reward = fraction of generated tokens equal to `target_token` (a learnable
     signal for tiny models; `delay_s` emulates sandbox/grader latency). `ladder`: agentic episodes on the
-    task ladder (rl/tasks/ladder.py) through the harness, tools and grader in sandboxes."""
+    task ladder (rl/tasks/ladder.py) through the harness, tools and grader in sandboxes. `text`: single-turn
+    text tasks from JSONL files (`{"id", "prompt", "reference"}` per line) rendered as a user message with
+    the chat template; the answer is compared with `reference` (`text_match`)."""
 
-    kind: Literal["target", "ladder"] = "target"
+    kind: Literal["target", "ladder", "text"] = "target"
     num_prompts: int = 64
     eval_prompts: int = 8  # held out (different seed)
     prompt_len: int = 4
@@ -84,6 +86,12 @@ class EnvConfig:
     # log-normal with median delay_s, like test suites whose run times span orders of magnitude; 0: constant
     delay_sigma: float = 0.0
     temperature: float = 1.0
+    # text: train prompts from text_tasks, held-out eval prompts from text_eval_tasks (the first eval_prompts);
+    # `prefix`: reward = longest common prefix of answer and reference / the longer one's length (1 only for
+    # an exact answer; partial credit for a right start), `exact`: 1 or 0. gen_len caps the answer's tokens.
+    text_tasks: str = ""
+    text_eval_tasks: str = ""
+    text_match: Literal["prefix", "exact"] = "prefix"
     # ladder
     rungs: tuple[str, ...] = ("answer",)
     per_rung: int = 8
@@ -96,6 +104,9 @@ class EnvConfig:
     def __post_init__(self):
         if self.delay_s < 0 or self.delay_sigma < 0:
             raise ConfigError(f"env.delay_s and env.delay_sigma must be >= 0, got {self.delay_s}, {self.delay_sigma}")
+        if self.kind == "text" and not (self.text_tasks and self.text_eval_tasks):
+            raise ConfigError("env.kind=text needs env.text_tasks and env.text_eval_tasks (JSONL files of "
+                              '{"id", "prompt", "reference"})')
 
 
 @dataclass(frozen=True)

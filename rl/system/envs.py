@@ -4,6 +4,8 @@ execute (sandbox operations, grading).
 `target` (single turn): prompts are random token ids; reward = fraction of generated tokens equal to
 `target_token`, graded on an environment worker after `delay_s` (emulated sandbox/grader latency; with
 `delay_sigma`, log-normal around it).
+`text` (single turn): prompts and references from JSONL files, rendered as one user message with the chat
+template; the decoded answer (up to <|im_end|>) is compared with the reference on an environment worker.
 `ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
 agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
 Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.tasks.grading.grade.
@@ -32,6 +34,56 @@ def target_prompts(cfg: EnvConfig, vocab: int, seed: int, held_out: bool = False
     rng = np.random.default_rng([seed, 1 if held_out else 0])
     tag = "eval" if held_out else "train"
     return {f"{tag}-{i:04d}": [int(t) for t in rng.integers(0, vocab, cfg.prompt_len)] for i in range(n)}
+
+
+def load_text_tasks(path: str | Path) -> list[dict]:
+    """`{"id", "prompt", "reference"}` per JSONL line; ids must be unique."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text task file {path} does not exist")
+    tasks, seen = [], set()
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        missing = [k for k in ("id", "prompt", "reference") if not isinstance(rec.get(k), str)]
+        if missing:
+            raise ValueError(f"{path}:{n}: needs string fields {missing}")
+        if rec["id"] in seen:
+            raise ValueError(f"{path}:{n}: duplicate task id {rec['id']!r}")
+        seen.add(rec["id"])
+        tasks.append(rec)
+    if not tasks:
+        raise ValueError(f"text task file {path} holds no tasks")
+    return tasks
+
+
+def text_prompts(tasks: list[dict], renderer) -> dict[str, list[int]]:
+    """Each task's prompt as the policy sees it: one user message, then the assistant header."""
+    return {t["id"]: renderer.render_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks}
+
+
+def text_reward(answer: str, reference: str, match: str = "prefix") -> float:
+    """`exact`: 1.0 iff answer == reference. `prefix`: the longest common prefix over the longer string's
+    length, so only the exact answer scores 1, a right start earns partial credit, and trailing junk costs."""
+    if match == "exact":
+        return float(answer == reference)
+    if match != "prefix":
+        raise ValueError(f"unknown text match {match!r}; expected prefix or exact")
+    longest = max(len(answer), len(reference))
+    if longest == 0:
+        return 1.0
+    n = 0
+    for a, b in zip(answer, reference):
+        if a != b:
+            break
+        n += 1
+    return n / longest
 
 
 def ladder_tasks(cfg: EnvConfig, directory: Path, seed: int, held_out: bool = False) -> dict[str, Path]:
@@ -63,9 +115,12 @@ def byte_tokenizer():
 class EnvironmentHost:
     """What an environment worker runs: grading and, for agentic tasks, the episode sandboxes."""
 
-    def __init__(self, cfg: EnvConfig, tasks: dict[str, Path] | None = None):
+    def __init__(self, cfg: EnvConfig, tasks: dict | None = None):
         self.cfg = cfg
-        self.task_dirs = dict(tasks or {})
+        # ladder: task id -> task directory; text: task id -> reference answer
+        self.task_dirs = dict(tasks or {}) if cfg.kind == "ladder" else {}
+        self.references = dict(tasks or {}) if cfg.kind == "text" else {}
+        self._renderer = None
         self._tasks: dict = {}
         self._sandboxes: dict[str, Sandbox] = {}
         self._next = 0
@@ -73,12 +128,29 @@ class EnvironmentHost:
         self._delay_lock = threading.Lock()
 
     def grade_target(self, tokens: list[int]) -> float:
+        self._sleep_delay()
+        tokens = np.asarray(tokens)
+        return float((tokens == self.cfg.target_token).mean()) if tokens.size else 0.0
+
+    def _sleep_delay(self) -> None:
         if self.cfg.delay_s:
             with self._delay_lock:  # graded from several threads (max_concurrency)
                 z = float(self._delay_rng.standard_normal()) if self.cfg.delay_sigma else 0.0
             time.sleep(self.cfg.delay_s * math.exp(self.cfg.delay_sigma * z))
-        tokens = np.asarray(tokens)
-        return float((tokens == self.cfg.target_token).mean()) if tokens.size else 0.0
+
+    def grade_text(self, task_id: str, tokens: list[int]) -> float:
+        """The answer is the decoded tokens up to the first <|im_end|>."""
+        from rl.harness import ChatRenderer
+
+        if task_id not in self.references:
+            raise KeyError(f"unknown text task {task_id!r}")
+        self._sleep_delay()
+        if self._renderer is None:
+            self._renderer = ChatRenderer(byte_tokenizer())
+        end = self._renderer.im_end_id
+        tokens = list(tokens)
+        answer = self._renderer.decode(tokens[:tokens.index(end)] if end in tokens else tokens)
+        return text_reward(answer, self.references[task_id], self.cfg.text_match)
 
     def _task(self, task_id: str):
         from rl.tasks.task import load_task
@@ -167,14 +239,18 @@ class RemoteSandbox(Sandbox):
 
 
 def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, group_size: int, seed: int,
-                     max_retries: int, replay: bool = False) -> list[Rollout]:
-    """G samples of one prompt in one batched generate call, each graded on an environment worker. With
-    `replay`, each sequence records the sampler's experts per token (rl.harness.replay)."""
+                     max_retries: int, replay: bool = False, *, task_id: str | None = None,
+                     stop_ids: tuple[int, ...] = ()) -> list[Rollout]:
+    """G samples of one single-turn prompt in one batched generate call, each graded on an environment
+    worker: by `grade_target(tokens)`, or with `task_id` by `grade_text(task_id, tokens)` (the text kind,
+    which stops at `stop_ids`). With `replay`, each sequence records the sampler's experts per token."""
     from models.inference.engine import Request
     from rl.harness.replay import single_turn_replay
 
-    requests = [Request(list(prompt), cfg.gen_len, (), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
+    requests = [Request(list(prompt), cfg.gen_len, tuple(stop_ids), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
                 for i in range(group_size)]
+    grade_args = (lambda toks: ("grade_text", task_id, toks)) if task_id is not None else \
+        (lambda toks: ("grade_target", toks))
     results = generate(requests)
 
     def graded(res) -> tuple[float, str | None, int]:
@@ -182,7 +258,7 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
         while attempts <= max_retries:
             attempts += 1
             try:
-                return float(env_call("grade_target", list(res.token_ids))), None, attempts
+                return float(env_call(*grade_args(list(res.token_ids)))), None, attempts
             except Exception as e:  # noqa: BLE001 -- worker died or timed out: retry, then record
                 error = f"grading failed ({type(e).__name__}): {e}"
         return reward, error, attempts

@@ -25,7 +25,7 @@ import numpy as np
 from rl.system.actors import Evaluator, Learner, RolloutWorker, spawn, spawn_env_worker
 from rl.system.config import RLSystemConfig, save_system_config
 from rl.system.curriculum import Curriculum
-from rl.system.envs import byte_tokenizer, ladder_tasks, target_prompts
+from rl.system.envs import byte_tokenizer, ladder_tasks, load_text_tasks, target_prompts, text_prompts
 from rl.system.groups import Group, build_batch
 from rl.system.staleness import StalenessManager, is_stale, oldest_allowed
 from rl.system.store import GroupStore
@@ -61,6 +61,17 @@ class Reconciler:
         if cfg.backend.policy == "engine" and cfg.model.vocab_size < vocab:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                              f"{vocab} tokens; set model.vocab_size >= {vocab}")
+        if cfg.env.kind == "text":
+            from rl.harness import ChatRenderer
+
+            renderer = ChatRenderer(byte_tokenizer())
+            train = load_text_tasks(cfg.env.text_tasks)
+            held = load_text_tasks(cfg.env.text_eval_tasks)[: cfg.env.eval_prompts]
+            clash = {t["id"] for t in train} & {t["id"] for t in held}
+            if clash:
+                raise ValueError(f"text task ids occur in both train and eval files: {sorted(clash)[:5]}")
+            refs = {t["id"]: t["reference"] for t in train + held}
+            return text_prompts(train, renderer), text_prompts(held, renderer), refs
         train = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed)
         held = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed, held_out=True)
         held = dict(list(held.items())[: cfg.env.eval_prompts])
@@ -350,10 +361,34 @@ class Reconciler:
                                                            "requeued": self.staleness.requeued},
                 "history": self.history, "eval": self.eval_history}
 
-    def worker_info(self) -> list[dict]:
-        import ray
+    def _call_each_worker(self, method: str, *args) -> list:
+        """One call per rollout worker, waiting out a worker Ray is still restarting.
 
-        return ray.get([w.info.remote() for w in self.workers], timeout=self.cfg.system.call_timeout_s)
+        A worker killed late in a run may still be coming back when the run ends; its
+        call then fails with ActorUnavailableError and succeeds once the restart is done.
+        """
+        import ray
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + self.cfg.system.call_timeout_s
+        results = []
+        for w in self.workers:
+            while True:
+                try:
+                    left = max(deadline - time.monotonic(), 0.1)
+                    results.append(ray.get(getattr(w, method).remote(*args), timeout=left))
+                    break
+                except ActorUnavailableError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+        return results
+
+    def final_sync(self) -> list:
+        return self._call_each_worker("sync", self.chain.payloads())
+
+    def worker_info(self) -> list[dict]:
+        return self._call_each_worker("info")
 
     def shutdown(self) -> None:
         import ray
@@ -375,10 +410,7 @@ def run_system(cfg: RLSystemConfig, *, on_step=None, dashboard=None) -> dict:
     try:
         rec.start()
         out = rec.run(dashboard)
-        import ray
-
-        synced = [w.sync.remote(rec.chain.payloads()) for w in rec.workers]
-        out["worker_synced_versions"] = ray.get(synced, timeout=cfg.system.call_timeout_s)
+        out["worker_synced_versions"] = rec.final_sync()
         out["worker_info"] = rec.worker_info()
         return out
     finally:
