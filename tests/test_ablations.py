@@ -182,3 +182,23 @@ def test_self_summarization_carries_a_long_chain_past_the_context_truncation_doe
     summary = module.summary_text({"start": "notes/a.txt", "latest": ("next", "notes/b.txt"), "read": ["x"]})
     resumed = module.visible_state([{"role": "user", "content": instruction + "\n\n" + summary}])
     assert resumed["latest"] == ("next", "notes/b.txt")
+
+
+def test_code_completion_tasks_cut_inside_a_word_and_keep_its_rest_as_the_reference():
+    import random
+    import re
+
+    script = _load_script("01_cpt_compute_to_rl")
+    text = "".join(f"    value_{i} = compute(alpha_{i}, beta={i})\n" for i in range(40))
+    pairs = script.completion_pairs(text, random.Random(0), 10, context=60, min_answer=2, max_answer=6)
+    assert len(pairs) == 10
+    for prompt, reference in pairs:
+        assert len(prompt) == 60 and 2 <= len(reference) <= 6
+        at = text.index(prompt + reference) + 60
+        word = re.match(r"\w+", text[at - 2:]).group()  # the word around the cut, read independently
+        assert re.match(r"\w\w$", prompt[-2:]) and text[at:].startswith(reference)
+        assert word.endswith(reference) and not re.match(r"\w", text[at + len(reference)])
+    assert script.completion_pairs("short words\n", random.Random(0), 5, 60, 2, 6) == []
+    only = script.completion_pairs(text, random.Random(1), 10, 60, 2, 6, vocabulary={"compute"})
+    assert len(only) == 10 and all("compute".endswith(ref) and prompt.endswith("compute"[:-len(ref)][-2:])
+                                   for prompt, ref in only)

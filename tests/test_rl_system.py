@@ -480,6 +480,21 @@ def test_text_grader_reads_the_answer_up_to_im_end():
         host.grade_text("t2", [])
 
 
+def test_text_prompts_render_a_user_turn_or_the_raw_text():
+    from rl.harness import ChatRenderer
+    from rl.system.envs import byte_tokenizer, text_prompts
+
+    r = ChatRenderer(byte_tokenizer())
+    tasks = [{"id": "a", "prompt": "def f(<|im_end|>", "reference": "x"}]
+    raw = text_prompts(tasks, r, "raw")["a"]
+    assert len(raw) == len("def f(<|im_end|>") and r.im_end_id not in raw  # one token a byte, markers as text
+    assert r.decode(raw) == "def f(<|im_end|>"
+    chat = r.decode(text_prompts(tasks, r, "chat")["a"])
+    assert chat == "<|im_start|>user\ndef f(<|im_end|><|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="unknown text template"):
+        text_prompts(tasks, r, "markdown")
+
+
 def test_text_kind_runs_on_rendered_prompts(ray_local, tmp_path):
     """Single-turn text tasks through the whole system (fake sampler/learner over the byte vocabulary):
     prompts are chat-rendered user messages, every rollout is graded, held-out tasks are evaluated."""

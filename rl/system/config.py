@@ -72,8 +72,9 @@ class EnvConfig:
     """`target`: single-turn, reward = fraction of generated tokens equal to `target_token` (a learnable
     signal for tiny models; `delay_s` emulates sandbox/grader latency). `ladder`: agentic episodes on the
     task ladder (rl/tasks/ladder.py) through the harness, tools and grader in sandboxes. `text`: single-turn
-    text tasks from JSONL files (`{"id", "prompt", "reference"}` per line) rendered as a user message with
-    the chat template; the answer is compared with `reference` (`text_match`)."""
+    text tasks from JSONL files (`{"id", "prompt", "reference"}` per line), the prompt rendered as a user
+    message with the chat template or as raw text (`text_template`); the answer is compared with `reference`
+    (`text_match`)."""
 
     kind: Literal["target", "ladder", "text"] = "target"
     num_prompts: int = 64
@@ -92,6 +93,9 @@ class EnvConfig:
     text_tasks: str = ""
     text_eval_tasks: str = ""
     text_match: Literal["prefix", "exact"] = "prefix"
+    # `chat`: the prompt is one user message, the answer the assistant turn; `raw`: the prompt's bytes alone and
+    # the answer continues them (a completion task, as in pretraining); either way the answer ends at <|im_end|>
+    text_template: Literal["chat", "raw"] = "chat"
     # ladder
     rungs: tuple[str, ...] = ("answer",)
     per_rung: int = 8

@@ -5,7 +5,7 @@ execute (sandbox operations, grading).
 `target_token`, graded on an environment worker after `delay_s` (emulated sandbox/grader latency; with
 `delay_sigma`, log-normal around it).
 `text` (single turn): prompts and references from JSONL files, rendered as one user message with the chat
-template; the decoded answer (up to <|im_end|>) is compared with the reference on an environment worker.
+template (or as raw text, a completion task); the decoded answer (up to <|im_end|>) is compared with the reference on an environment worker.
 `ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
 agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
 Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.tasks.grading.grade.
@@ -63,9 +63,14 @@ def load_text_tasks(path: str | Path) -> list[dict]:
     return tasks
 
 
-def text_prompts(tasks: list[dict], renderer) -> dict[str, list[int]]:
-    """Each task's prompt as the policy sees it: one user message, then the assistant header."""
-    return {t["id"]: renderer.render_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks}
+def text_prompts(tasks: list[dict], renderer, template: str = "chat") -> dict[str, list[int]]:
+    """Each task's prompt as the policy sees it: `chat`, one user message then the assistant header; `raw`,
+    the prompt text's tokens alone (chat markers in it are plain characters)."""
+    if template == "chat":
+        return {t["id"]: renderer.render_prompt([{"role": "user", "content": t["prompt"]}]) for t in tasks}
+    if template == "raw":
+        return {t["id"]: renderer.encode_env(t["prompt"]) for t in tasks}
+    raise ValueError(f"unknown text template {template!r}; expected chat or raw")
 
 
 def text_reward(answer: str, reference: str, match: str = "prefix") -> float:

@@ -71,7 +71,8 @@ class Reconciler:
             if clash:
                 raise ValueError(f"text task ids occur in both train and eval files: {sorted(clash)[:5]}")
             refs = {t["id"]: t["reference"] for t in train + held}
-            return text_prompts(train, renderer), text_prompts(held, renderer), refs
+            template = cfg.env.text_template
+            return text_prompts(train, renderer, template), text_prompts(held, renderer, template), refs
         train = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed)
         held = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed, held_out=True)
         held = dict(list(held.items())[: cfg.env.eval_prompts])
