@@ -3,8 +3,9 @@ and mean / max staleness, at bounded staleness, in one run. Real InferenceEngine
 learner on local Ray, the single-turn target task; `env.delay_s` emulates the sandbox/grader time of an
 agentic rollout (what asynchrony overlaps) and `env.delay_sigma` its spread (log-normal around the median).
 
-Two token profiles (PROFILES: generation-heavy "short", prefill-heavy "agentic") x two latency scenarios by
-default, each sync then async with identical actors and settings:
+Two token profiles by default (PROFILES: generation-heavy "short", prefill-heavy "agentic"; "agentic_wide" is
+the agentic one at 16 groups a step) x two latency scenarios, each sync then async with identical actors
+and settings:
 - constant (sigma 0): asynchrony can only overlap the learner step with rollouts;
 - heavy-tailed (sigma 1): real test suites' run times vary by orders of magnitude; a synchronous step waits
   for the slowest of its batch's rollouts, an asynchronous run keeps every rollout slot busy meanwhile.
@@ -46,10 +47,15 @@ BASE = ["model.preset=tiny", "model.vocab_size=16", "model.hidden_size=512", "mo
 # Token profiles of a step's samples. "short": a 2-token prompt, 16 sampled tokens (generation-heavy, like
 # single-turn reasoning). "agentic": a 64-token context, 8 sampled tokens, as in agentic RL where most of a
 # trajectory is tool output the sampler only prefills but the learner runs forward and backward over.
+_AGENTIC = ["env.prompt_len=64", "env.gen_len=8", "system.seq_len=72", "engine.max_len=80",
+            "engine.key_bucket=80", "engine.min_prompt_bucket=64"]
+# "agentic_wide": the agentic profile with 16 groups a step. The staleness bound admits (bound + 1) x
+# groups_per_step groups in flight (48 here, 12 at 4 groups a step), enough to cover a heavy latency tail
+# and keep the learner fed; each rollout worker runs 24 groups at once on a 64-slot engine.
 PROFILES = {
     "short": [],
-    "agentic": ["env.prompt_len=64", "env.gen_len=8", "system.seq_len=72", "engine.max_len=80",
-                "engine.key_bucket=80", "engine.min_prompt_bucket=64"],
+    "agentic": _AGENTIC,
+    "agentic_wide": [*_AGENTIC, "system.groups_per_step=16", "system.groups_per_worker=24", "engine.slots=64"],
 }
 
 
