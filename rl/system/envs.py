@@ -5,7 +5,8 @@ execute (sandbox operations, grading).
 `target_token`, graded on an environment worker after `delay_s` (emulated sandbox/grader latency; with
 `delay_sigma`, log-normal around it).
 `text` (single turn): prompts and references from JSONL files, rendered as one user message with the chat
-template (or as raw text, a completion task); the decoded answer (up to <|im_end|>) is compared with the reference on an environment worker.
+template (or as raw text, a completion task); the decoded answer (up to <|im_end|>) is compared with the
+reference on an environment worker.
 `ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
 agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
 Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.tasks.grading.grade.
@@ -254,8 +255,7 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
 
     requests = [Request(list(prompt), cfg.gen_len, tuple(stop_ids), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
                 for i in range(group_size)]
-    grade_args = (lambda toks: ("grade_text", task_id, toks)) if task_id is not None else \
-        (lambda toks: ("grade_target", toks))
+    grader = ("grade_text", task_id) if task_id is not None else ("grade_target",)
     results = generate(requests)
 
     def graded(res) -> tuple[float, str | None, int]:
@@ -263,7 +263,7 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
         while attempts <= max_retries:
             attempts += 1
             try:
-                return float(env_call(*grade_args(list(res.token_ids)))), None, attempts
+                return float(env_call(*grader, list(res.token_ids))), None, attempts
             except Exception as e:  # noqa: BLE001 -- worker died or timed out: retry, then record
                 error = f"grading failed ({type(e).__name__}): {e}"
         return reward, error, attempts

@@ -2,11 +2,11 @@
 
 One base model (the demo's: a byte-level MoE pretrained briefly on standard-library docstrings) gets
 continued pretraining on standard-library code at three log-spaced budgets; each checkpoint then gets the
-same SFT (a short run on the task's chat format) and the same asynchronous RL run (rl/system, `text` env).
+same SFT (a short run on the task's records) and the same asynchronous RL run (rl/system, `text` env).
 The task is verifiable code completion on files no run trained on: the prompt is the code before a cut
 inside an identifier or keyword (raw text, as in pretraining), the answer must be the rest of that word,
-ended by <|im_end|> (which SFT teaches); reward = longest common
-prefix over the longer of answer and reference (1 only for the exact rest of the word). Recorded per budget: held-out code loss after CPT,
+ended by <|im_end|> (which SFT teaches); reward = longest common prefix over the longer of answer and
+reference (1 only for the exact rest of the word). Recorded per budget: held-out code loss after CPT,
 held-out SFT loss (the report's x-axis), RL training reward and held-out eval reward / exact-match rate.
     python -m experiments.ablations.01_cpt_compute_to_rl.run [--quick] [--out DIR]
 """
@@ -120,12 +120,12 @@ def check_prompt_tokens(sft_jsonl: str, tokenizer: str) -> None:
     from rl.system.envs import byte_tokenizer
 
     data, renderer = load_tokenizer(tokenizer), ChatRenderer(byte_tokenizer())
+    if data.eos_id != renderer.im_end_id:
+        raise RuntimeError("the SFT answers would end with a token other than the sampler's stop <|im_end|>")
     for line in Path(sft_jsonl).read_text().splitlines()[:32]:
         rec = json.loads(line)
         if data.encode(rec["prompt"]) != renderer.encode_env(rec["prompt"]):
             raise RuntimeError(f"SFT and RL tokenize the prompt {rec['prompt'][-40:]!r} differently")
-        if data.eos_id != renderer.im_end_id:
-            raise RuntimeError("the SFT answers would end with a token other than the sampler's stop <|im_end|>")
 
 
 # ------------------------------------------------------------------------------------------------ stages
@@ -141,9 +141,15 @@ def demo_config(raw: dict, out: Path, quick: bool):
 
 
 def continued_pretraining(dcfg, raw: dict, out: Path, tokenizer: str, base_hf: str, budget: int) -> dict:
+    from c2jax.train.config import (
+        CheckpointConfig,
+        EvalConfig,
+        LossConfig,
+        OptimizerConfig,
+        PhaseConfig,
+        PretrainConfig,
+    )
     from experiments.demo.pipeline import _train, model_config
-    from c2jax.train.config import (CheckpointConfig, EvalConfig, LossConfig, OptimizerConfig, PhaseConfig,
-                                    PretrainConfig)
 
     c = raw["cpt"]
     pcfg = PretrainConfig(
@@ -166,9 +172,15 @@ def continued_pretraining(dcfg, raw: dict, out: Path, tokenizer: str, base_hf: s
 
 
 def sft(dcfg, raw: dict, out: Path, tokenizer: str, sft_jsonl: str, cpt_hf: str, budget: int) -> dict:
+    from c2jax.train.config import (
+        CheckpointConfig,
+        EvalConfig,
+        LossConfig,
+        OptimizerConfig,
+        PhaseConfig,
+        PretrainConfig,
+    )
     from experiments.demo.pipeline import _train, model_config
-    from c2jax.train.config import (CheckpointConfig, EvalConfig, LossConfig, OptimizerConfig, PhaseConfig,
-                                    PretrainConfig)
 
     s = raw["sft"]
     pcfg = PretrainConfig(
