@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rl.sandbox import LocalSandbox
-from rl.tasks import Task, grade, load_task, load_tasks, write_task
+from rl.tasks import Task, grade, load_task, write_task
 from rl.tasks.build import LibraryConfig, build_library, check_splits_disjoint, validate_task
 from rl.tasks.deletion import deletable, delete_feature
 from rl.tasks.ladder import build_ladder
