@@ -2,6 +2,7 @@
 transcripts, async RL on Ray, eval before/after, HF round trip, report) and writes what it promises."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,5 +50,13 @@ def test_demo_quick_end_to_end(tmp_path):
         summary = json.loads((out / "eval" / label / "summary.json").read_text())
         assert summary["demo"]["episodes"] == summary["summary"]["episodes"] >= 2
         assert 0.0 <= summary["demo"]["avg@1"] <= summary["demo"]["pass@2"] <= 1.0
+        # the reference completion splits into the answer written to answer.txt and the call's format
+        al = summary["demo"]["answer_likelihood"]
+        (ref,) = [json.loads(line) for line in (out / "eval" / label / "reference_completions.jsonl").open()]
+        answer = ref["completion"].split('"content": "')[1].split('"}}')[0]  # JSON-escaped, e.g. 'maple 417\\n'
+        assert al["tasks"] == 1 and al["answer_tokens"] == len(answer) == 11
+        assert al["format_tokens"] + al["answer_tokens"] == len(ref["completion"].encode())
+        assert al["p_exact_answer"] == pytest.approx(math.exp(-al["answer_nll_sum"]), rel=1e-5)
+        assert len(al["answer_nll_by_position"]) == 11 and min(al["answer_nll_by_position"]) >= 0.0
     assert results["hf"]["ok"] and results["hf"]["rel_l2"] <= 1e-4
     assert set(results["timings"]) >= {"1 info", "3 asynchronous RL", "5 HF export + transformers reload"}

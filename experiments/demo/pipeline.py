@@ -427,6 +427,52 @@ def tool_use_stats(eval_dir: Path) -> dict[str, float]:
             "tool_call_ran": ran / n, "wrote_answer_txt": wrote / n}
 
 
+def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict:
+    """Where the reward is lost: the model's per-token NLL of the scripted oracle's completion on the
+    HELD-OUT tasks, split into the answer (the text written to answer.txt, as it appears JSON-escaped in the
+    write_file call) and everything else (the tool-call format). exp(-sum of the answer's NLL) is the
+    probability of writing exactly the right answer given a correct call so far: at temperature 1, an upper
+    bound on avg@1 when the format is always right."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from c2jax.data.tokenizer import load_tokenizer
+    from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
+
+    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
+    jsonl = out / "eval" / label / "reference_completions.jsonl"
+    write_transcripts(tasks, jsonl, episode_config(cfg), sandbox_factory(cfg), grade_first=0, seed=cfg.seed)
+    tok = load_tokenizer(str(out / "tokenizer" / "tokenizer.json"))
+    answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
+               if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
+    fmt, ans, exact, by_pos = [], [], [], []
+    for rec in map(json.loads, jsonl.read_text().splitlines()):
+        prompt, completion = tok.encode(rec["prompt"]), tok.encode(rec["completion"])
+        escaped = json.dumps(answers[rec["task_id"]])[1:-1]
+        start = rec["completion"].find(escaped)
+        if len(completion) != len(rec["completion"].encode()) or start < 0:
+            raise RuntimeError(f"answer span of {rec['task_id']} not found byte-aligned in its completion")
+        ids = jnp.asarray([prompt + completion], jnp.int32)
+        logp = jax.nn.log_softmax(model(ids, return_mtp=False).logits[0].astype(jnp.float32), -1)
+        # logits at position i predict token i + 1
+        nll = -np.asarray(logp[len(prompt) - 1:-1][np.arange(len(completion)), np.asarray(completion)])
+        in_answer = np.zeros(len(completion), bool)
+        in_answer[start:start + len(escaped)] = True
+        fmt.append(nll[~in_answer])
+        ans.append(nll[in_answer])
+        exact.append(float(np.exp(-nll[in_answer].sum())))
+        by_pos.append(nll[in_answer])
+    width = min(len(a) for a in by_pos)
+    return {"tasks": len(ans), "format_tokens": float(np.mean([len(f) for f in fmt])),
+            "format_nll_per_token": float(np.concatenate(fmt).mean()),
+            "answer_tokens": float(np.mean([len(a) for a in ans])),
+            "answer_nll_per_token": float(np.concatenate(ans).mean()),
+            "answer_nll_sum": float(np.mean([a.sum() for a in ans])),
+            "p_exact_answer": float(np.mean(exact)),
+            "answer_nll_by_position": [float(x) for x in np.mean([a[:width] for a in by_pos], 0)]}
+
+
 def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict:
     """avg@1 and best-of-K on HELD-OUT ladder tasks (seed + 1000, as the RL system's held-out set) with rl.eval."""
     from c2jax.config import dump_yaml
@@ -449,16 +495,23 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
            f"pass@{k}": acc[f"pass@{k}"]["mean"],
            "statuses": summary["statuses"], "finish_reasons": summary["finish_reasons"],
            "completion_tokens_mean": summary["efficiency"]["completion_tokens"]["mean"],
-           **tool_use_stats(run_dir)}
+           **tool_use_stats(run_dir), "answer_likelihood": answer_likelihood(cfg, out, model, label)}
     (run_dir / "summary.json").write_text(json.dumps({"demo": row, "summary": summary}, indent=1, default=str))
     from c2jax.train.metrics import MetricsWriter
 
     writer = MetricsWriter(out / "eval")
-    writer.write(step, {k2: v for k2, v in row.items() if isinstance(v, (int, float))}, kind=f"eval_{label}")
+    scalars = {k2: v for k2, v in row.items() if isinstance(v, (int, float))}
+    scalars.update({f"answer_likelihood/{k2}": v for k2, v in row["answer_likelihood"].items()
+                    if isinstance(v, float)})
+    writer.write(step, scalars, kind=f"eval_{label}")
     writer.close()
     print(f"eval {label}: avg@1 {row['avg@1']:.3f}  best-of-{k} {row[f'best_of_{k}']:.3f}  pass@{k} "
           f"{row[f'pass@{k}']:.3f}  parsed tool call {row['parsed_tool_call']:.2f}  wrote answer.txt "
           f"{row['wrote_answer_txt']:.2f}  ({row['episodes']} episodes)")
+    al = row["answer_likelihood"]
+    print(f"eval {label}: reference completion NLL/token: format {al['format_nll_per_token']:.3f}, answer "
+          f"{al['answer_nll_per_token']:.3f} ({al['answer_tokens']:.1f} tokens); P(exact answer) "
+          f"{al['p_exact_answer']:.2e}")
     return row
 
 

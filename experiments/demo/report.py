@@ -103,6 +103,22 @@ def _fmt(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
+def answer_likelihood_section(before: dict, after: dict) -> list[str]:
+    L = ["Where the reward is lost: the model's negative log-likelihood (nats per token) of the scripted "
+         "oracle's completion on the same held-out tasks, split into the answer (the text written to answer.txt) "
+         "and the tool-call format around it. P(exact answer) = exp(-sum of the answer's NLL), the probability "
+         "of sampling exactly the right answer at temperature 1 once the call is right so far.\n",
+         "| reference completion | before RL | after RL |\n|---|---|---|"]
+    rows = [("format NLL / token", "format_nll_per_token", "{:.3f}"), ("format tokens", "format_tokens", "{:.0f}"),
+            ("answer NLL / token", "answer_nll_per_token", "{:.3f}"), ("answer tokens", "answer_tokens", "{:.1f}"),
+            ("answer NLL, sum", "answer_nll_sum", "{:.2f}"), ("P(exact answer)", "p_exact_answer", "{:.2e}")]
+    for name, key, fmt in rows:
+        L.append(f"| {name} | {fmt.format(before[key])} | {fmt.format(after[key])} |")
+    L.append("| answer NLL by position | " + " ".join(f"{x:.2f}" for x in before["answer_nll_by_position"])
+             + " | " + " ".join(f"{x:.2f}" for x in after["answer_nll_by_position"]) + " |\n")
+    return L
+
+
 def write_report(cfg, out: Path, results: dict) -> dict:
     plots_dir = out / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +151,7 @@ def write_report(cfg, out: Path, results: dict) -> dict:
              f"{cfg.hidden}, {cfg.layers} layers (1 dense + MoE with {cfg.experts} experts), MLA attention. "
              f"Configs: [`base/config.yaml`](base/config.yaml), [`cpt/config.yaml`](cpt/config.yaml), "
              f"[`data/sft_data.yaml`](data/sft_data.yaml).\n")
-    L.append(f"Tool-use transcripts: the scripted oracle solved {data['tasks']} TRAIN ladder tasks (`answer` rung, "
+    L.append(f"Tool-use transcripts: the scripted oracle solved {data['tasks']} TRAIN ladder tasks (`{cfg.rung}` rung, "
              f"terse prompts) through the harness; {data['oracle_resolved']}/{data['oracle_graded']} graded episodes "
              f"resolved; {data['records']} prompt/completion records; {data['dropped_overlapping_heldout']} train "
              f"tasks dropped because their prompt also occurs in the held-out set. Prompt {data['prompt_tokens']} "
@@ -180,7 +196,7 @@ def write_report(cfg, out: Path, results: dict) -> dict:
                     "the eval before RL token for token (same seeds)" if same else "") + ".\n")
     L.append("![rl](plots/rl_reward_staleness.png)\n")
     L.append("## 4. Evaluation before and after RL (held-out ladder tasks)\n")
-    L.append(f"{before['tasks']} held-out `answer` tasks (ladder seed {cfg.seed + 1000}), {cfg.eval_k} samples each "
+    L.append(f"{before['tasks']} held-out `{cfg.rung}` tasks (ladder seed {cfg.seed + 1000}), {cfg.eval_k} samples each "
              f"at temperature {cfg.temperature}, best-of-{k} selector: mean sampled-token log-probability "
              "(`model_score`); "
              "pass@K is the oracle-selector upper bound. Tool-use columns are measured from the stored trajectories. "
@@ -194,6 +210,8 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     L.append(f"| statuses | {before['statuses']} | {after['statuses']} |")
     L.append(f"| finish reasons | {before['finish_reasons']} | {after['finish_reasons']} |\n")
     L.append("![eval](plots/eval_before_after.png)\n")
+    if "answer_likelihood" in before and "answer_likelihood" in after:
+        L += answer_likelihood_section(before["answer_likelihood"], after["answer_likelihood"])
     L.append("## 5. Hugging Face export\n")
     L.append(f"Final model written to [`hf/`](hf/) (DeepseekV3 format) and reloaded with transformers "
              f"(`{hf['hf_class']}`): logits on {hf['tokens']} tokens of a transcript match c2jax with relative L2 "
