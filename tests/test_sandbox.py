@@ -12,21 +12,9 @@ from pathlib import Path
 import pytest
 
 from rl.sandbox import BwrapSandbox, Limits, LocalSandbox, SandboxError, SandboxPathError, SandboxPool
-from rl.sandbox.bwrap import find_bwrap
+from rl.sandbox.bwrap import bwrap_unusable_reason
 
-
-def _bwrap_unusable() -> str | None:
-    try:
-        bwrap = find_bwrap()
-    except SandboxError as e:
-        return str(e)
-    argv = [bwrap, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/lib", "/lib", "--", "/usr/bin/true"]
-    proc = subprocess.run(argv, capture_output=True)
-    return None if proc.returncode == 0 else f"bwrap cannot create namespaces here: {proc.stderr.decode()!r}"
-
-
-_UNUSABLE = _bwrap_unusable()
+_UNUSABLE = bwrap_unusable_reason()
 needs_bwrap = pytest.mark.skipif(_UNUSABLE is not None, reason=f"bubblewrap unusable: {_UNUSABLE}")
 
 

