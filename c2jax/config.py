@@ -346,17 +346,39 @@ def save_resolved(cfg: RunConfig, directory: str | os.PathLike) -> Path:
     return dump_yaml(cfg, directory / "config.yaml")
 
 
+# Command-line sources ------------------------------------------------------------------------------
+
+def add_source_arguments(p, help: str, overrides_help: str) -> None:
+    """`SOURCE [KEY=VALUE ...]` or `--config YAML [KEY=VALUE ...]`, as `c2jax pretrain` and `c2jax rl` take."""
+    p.add_argument("source", nargs="?", help=f"{help} (or --config)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
+    p.add_argument("--config", dest="config_file", metavar="YAML", help="a YAML file, instead of SOURCE")
+
+
+def resolve_source(args) -> str:
+    """The source the command line named; with --config, a positional KEY=VALUE is an override. Sets
+    args.source and args.overrides accordingly."""
+    if args.config_file is not None:
+        if args.source is not None:
+            if "=" not in args.source:
+                raise ConfigError(f"two sources: {args.source!r} and --config {args.config_file!r}; give one")
+            args.overrides = [args.source, *args.overrides]
+        args.source = args.config_file
+    if args.source is None:
+        raise ConfigError(f"no source: name a model preset ({', '.join(PRESETS)}) or a YAML file (--config)")
+    return args.source
+
+
 # `c2jax config` -------------------------------------------------------------------------------------
 
 def add_parser(subparsers):
     p = subparsers.add_parser("config", help="print a resolved run config as YAML")
-    p.add_argument("source", help=f"a model preset ({', '.join(PRESETS)}) or a YAML file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. seed=1")
+    add_source_arguments(p, f"a model preset ({', '.join(PRESETS)}) or a YAML file", "dotted overrides, e.g. seed=1")
     return p
 
 
 def run(args) -> int:
-    cfg = load_config(args.source, args.overrides)
+    cfg = load_config(resolve_source(args), args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
 

@@ -104,9 +104,11 @@ def format_report(name: str, r: dict) -> str:
 
 
 def add_parser(subparsers):
+    from c2jax.config import add_source_arguments
+
     p = subparsers.add_parser("info", help="parameter counts, FLOPs per token and per-device memory")
-    p.add_argument("source", help="model preset name or a run YAML file")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.expert=8 model.num_hidden_layers=4")
+    add_source_arguments(p, "model preset name or a run YAML file",
+                         "dotted overrides, e.g. mesh.expert=8 model.num_hidden_layers=4")
     p.add_argument("--seq", type=int, default=4096, help="sequence length for attention FLOPs")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
@@ -116,13 +118,14 @@ def add_parser(subparsers):
 def run(args) -> int:
     import json
 
-    from c2jax.config import ConfigError, load_config
+    from c2jax.config import ConfigError, resolve_source
+    from c2jax.plan import load_plan_source
 
-    cfg = load_config(args.source, args.overrides)
-    mesh_shape = cfg.mesh.sizes
+    src = load_plan_source(resolve_source(args), args.overrides)
+    mesh_shape = src.mesh.sizes
     if -1 in mesh_shape.values():
         raise ConfigError(f"mesh {mesh_shape} has an inferred (-1) axis; `c2jax plan --devices N` resolves it")
-    r = report(cfg.model, mesh_shape, args.seq)
+    r = report(src.model, mesh_shape, args.seq)
     print(json.dumps(r, indent=2) if args.json else format_report(args.source, r))
     return 0
 

@@ -18,12 +18,14 @@ with T = tokens per device (B_l x S_l), S_l = S / CP, P = expert-parallel degree
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
-from c2jax.config import ConfigError, MeshConfig
+from c2jax.config import ConfigError, MeshConfig, add_source_arguments, resolve_source
 from models.config import ModelConfig
 
 ACCELERATORS_GB = {"H200": 141.0, "B200": 180.0, "H100": 80.0}  # HBM per GPU, 1 GB = 1e9 bytes
+DEFAULT_SEQ = 32768  # the report's short-context length
 WORKSPACE_FRACTION = 0.9  # leave ~10% for XLA workspace, fragmentation, NCCL buffers
 
 
@@ -118,15 +120,61 @@ def format_plan(name: str, p: Plan, seq_len: int, global_batch: int) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class PlanSource:
+    """What a config file says to plan: its model and mesh, and the (label, seq, batch) shapes it trains at
+    (None: the command line's --seq / --batch)."""
+    model: ModelConfig
+    mesh: MeshConfig
+    shapes: tuple[tuple[str, int | None, int | None], ...]
+    kind: str
+
+
+def load_plan_source(source: str, overrides=()) -> PlanSource:
+    """A model preset, a RunConfig YAML, a pretraining YAML (planned per phase, at each phase's sequence
+    length and batch) or any other run YAML with `model` and `mesh` sections (e.g. an RL system config, whose
+    full schema lives above c2jax; planned at its `engine.max_len` when it has one)."""
+    from pathlib import Path
+
+    from c2jax.config import RunConfig, _resolve_presets, apply_overrides, from_dict, load_config, load_yaml
+
+    if not Path(source).is_file():
+        cfg = load_config(source, overrides)
+        return PlanSource(cfg.model, cfg.mesh, (("", None, None),), "preset")
+    data = load_yaml(source)
+    if "phases" in data:
+        from c2jax.train.config import load_pretrain_config
+
+        pcfg = load_pretrain_config(source, overrides)
+        seq, batch = int(pcfg.data.get("seq_len", 0)) or None, int(pcfg.data.get("batch_size", 0)) or None
+        shapes = tuple((f"phase {p.name}", p.seq_len or seq, p.batch_size or batch) for p in pcfg.phases)
+        return PlanSource(pcfg.model, pcfg.mesh, shapes, "pretraining")
+    if set(data) <= {"name", "seed", "model", "mesh", "distributed", "output_dir"}:
+        cfg = load_config(source, overrides)
+        return PlanSource(cfg.model, cfg.mesh, (("", None, None),), "run")
+    if "model" not in data:
+        raise ConfigError(f"{source}: no `model` section to plan")
+    run_keys = {k: data[k] for k in ("name", "seed", "model", "mesh") if k in data}
+    run_overrides = [o for o in overrides if o.split("=", 1)[0].split(".", 1)[0] in ("model", "mesh")]
+    if len(run_overrides) != len(overrides):
+        raise ConfigError("plan applies only model.* and mesh.* overrides to this config: got "
+                          f"{[o for o in overrides if o not in run_overrides]}")
+    cfg = from_dict(RunConfig, _resolve_presets(apply_overrides(run_keys, run_overrides)))
+    max_len = (data.get("engine") or {}).get("max_len")
+    label = "engine.max_len" if max_len else ""
+    return PlanSource(cfg.model, cfg.mesh, ((label, int(max_len) if max_len else None, None),), "model and mesh")
+
+
 def add_parser(subparsers):
     p = subparsers.add_parser("plan", help="per-device memory of a model on a mesh, and whether it fits")
-    p.add_argument("source", help="model preset name or a run YAML file")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.remat_policy=full")
+    add_source_arguments(p, "model preset name or a run YAML file (pretraining: planned per phase)",
+                         "dotted overrides, e.g. model.remat_policy=full")
     p.add_argument("--devices", type=int, default=None, help="number of devices (the rest goes to 'data')")
     p.add_argument("--mesh", default=None, help="axis sizes, e.g. fsdp=8,expert=8 (default: the config's mesh)")
-    p.add_argument("--seq", type=int, default=32768, help="sequence length (default: the report's 32k)")
-    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per "
-                   "data-parallel rank)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: each phase's, else the "
+                   f"report's {DEFAULT_SEQ // 1024}k)")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: each phase's, "
+                   "else one per data-parallel rank)")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -135,24 +183,43 @@ def run(args) -> int:
     import dataclasses
     import json
 
-    from c2jax.config import load_config
-
-    cfg = load_config(args.source, args.overrides)
+    src = load_plan_source(resolve_source(args), args.overrides)
     if args.mesh is not None:
         mesh = parse_mesh(args.mesh, args.devices)
-        mesh = dataclasses.replace(mesh, param_rules=cfg.mesh.param_rules,
-                                   activation_rules=cfg.mesh.activation_rules)
+        mesh = dataclasses.replace(mesh, param_rules=src.mesh.param_rules,
+                                   activation_rules=src.mesh.activation_rules)
+    elif args.devices:
+        mesh = src.mesh.resolve(args.devices)
+    elif -1 in src.mesh.sizes.values():
+        raise ConfigError(f"{args.source}: mesh {src.mesh.sizes} has an inferred (-1) axis; pass --devices N "
+                          "(or --mesh)")
     else:
-        mesh = cfg.mesh.resolve(args.devices) if args.devices else cfg.mesh
+        mesh = src.mesh
     if args.devices is not None and mesh.num_devices != args.devices:
         raise ConfigError(f"mesh {mesh.sizes} uses {mesh.num_devices} devices, --devices says {args.devices}")
     sizes = mesh.sizes
-    batch = args.batch or sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    p = plan(cfg.model, mesh, args.seq, batch)
+    shapes = [(label, args.seq if args.seq is not None else (seq or DEFAULT_SEQ),
+               args.batch if args.batch is not None else (batch or sizes["data"] * sizes["fsdp"] * sizes["expert"]))
+              for label, seq, batch in src.shapes]
+    if args.seq is not None or args.batch is not None:
+        shapes = list(dict.fromkeys((("", s, b) for _, s, b in shapes)))  # one plan per distinct shape
+    plans, errors = [], []
+    for label, seq, batch in shapes:
+        try:
+            plans.append((label, seq, batch, plan(src.model, mesh, seq, batch)))
+        except ConfigError as e:
+            if len(shapes) == 1:
+                raise
+            errors.append(f"{label or args.source} (seq {seq}, batch {batch}): {e}")
     if args.json:
-        out = dataclasses.asdict(p) | {"activation_bytes": p.activation_bytes, "total_bytes": p.total_bytes,
-                                       "fits": {a: p.fits(c) for a, c in ACCELERATORS_GB.items()}}
-        print(json.dumps(out, indent=2))
+        rows = [dataclasses.asdict(p) | {"label": label, "seq": seq, "batch": batch,
+                                          "activation_bytes": p.activation_bytes, "total_bytes": p.total_bytes,
+                                          "fits": {a: p.fits(c) for a, c in ACCELERATORS_GB.items()}}
+                for label, seq, batch, p in plans]
+        print(json.dumps(rows[0] if len(rows) == 1 and not rows[0]["label"] else rows, indent=2))
     else:
-        print(format_plan(args.source, p, args.seq, batch))
-    return 0
+        print("\n\n".join((f"== {label}\n" if label else "") + format_plan(args.source, p, seq, batch)
+                           for label, seq, batch, p in plans))
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    return 2 if errors else 0

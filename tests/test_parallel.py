@@ -30,6 +30,7 @@ from models.logical import logical_rules
 from models.rope import rope_tables
 from models.transformer import abstract_state, forward, init
 
+ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "kimi_k25_fsdp8_expert8_specs.yaml"
 MESHES = [dict(data=8), dict(fsdp=2, expert=4), dict(expert=4, context=2), dict(fsdp=4, context=2)]
 
@@ -217,3 +218,49 @@ def test_plan_cli_reports_exact_parameter_memory(capsys):
     assert out["fits"]["H200"] is False  # 192 GB of weights and moments alone
     assert main(["plan", "kimi-k2.5", "--devices", "60", "--mesh", "fsdp=8,expert=8"]) == 2
     assert "do not divide" in capsys.readouterr().err
+
+
+def test_plan_cli_plans_a_pretraining_config_phase_by_phase(capsys):
+    """`c2jax plan --config` on the paper's pretraining config: one plan per phase, at the phase's own
+    sequence length and batch; per-device parameter bytes do not depend on the phase."""
+    import json
+
+    from c2jax.cli import main
+    from c2jax.train.config import load_pretrain_config
+
+    path = str(ROOT / "experiments" / "configs" / "composer2_k2.5.yaml")
+    assert main(["plan", "--config", path, "--devices", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    cfg = load_pretrain_config(path)
+    assert [r["label"] for r in rows] == [f"phase {p.name}" for p in cfg.phases]
+    assert [(r["seq"], r["batch"]) for r in rows] == [(p.seq_len, p.batch_size or cfg.data["batch_size"])
+                                                      for p in cfg.phases]
+    assert all(r["mesh"] == {"data": 1, "fsdp": 4, "expert": 8, "context": 2, "tensor": 1} for r in rows)
+    assert len({r["params_bytes"] for r in rows}) == 1
+    # 8x the sequence of the short phase: the long phase holds more activation memory per device
+    assert rows[1]["activation_bytes"] > rows[0]["activation_bytes"]
+    # --seq/--batch replace every phase's shape: one plan
+    assert main(["plan", "--config", path, "--devices", "64", "--seq", "4096", "--batch", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq"] == 4096
+    # an inferred (-1) mesh axis needs the device count
+    assert main(["plan", "--config", path]) == 2
+    assert "pass --devices N" in capsys.readouterr().err
+
+
+def test_plan_cli_plans_an_rl_config_at_its_engine_context_and_takes_overrides(capsys):
+    import json
+
+    from c2jax.cli import main
+
+    path = ROOT / "experiments" / "configs" / "rl_composer2_k2.5.yaml"
+    max_len = yaml.safe_load(path.read_text())["engine"]["max_len"]
+    assert main(["plan", "--config", str(path), "--devices", "64", "--batch", "8", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--config", str(path), "mesh.context=4", "--devices", "64", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["label"] == "engine.max_len" and row["seq"] == max_len and row["mesh"]["context"] == 4
+    # only model/mesh overrides mean anything to a plan; a source given twice is an error
+    assert main(["plan", "--config", str(path), "rl.kl_coef=0.1", "--devices", "64"]) == 2
+    assert "only model.* and mesh.* overrides" in capsys.readouterr().err
+    assert main(["plan", "kimi-k2.5", "--config", str(path)]) == 2
+    assert "two sources" in capsys.readouterr().err
