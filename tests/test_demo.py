@@ -60,3 +60,31 @@ def test_demo_quick_end_to_end(tmp_path):
         assert len(al["answer_nll_by_position"]) == 11 and min(al["answer_nll_by_position"]) >= 0.0
     assert results["hf"]["ok"] and results["hf"]["rel_l2"] <= 1e-4
     assert set(results["timings"]) >= {"1 info", "3 asynchronous RL", "5 HF export + transformers reload"}
+
+
+@pytest.mark.parametrize("rung", ["lookup", "micro_bug"])
+def test_answer_likelihood_scores_exactly_the_answer_span(tmp_path, rung):
+    """The demo's reward diagnosis: the NLL of the oracle's completion, split at the text it writes to
+    answer.txt (JSON-escaped inside the write_file call); rungs without answer.txt have nothing to split."""
+    from experiments.demo.pipeline import DemoConfig, answer_likelihood, data_tokenizer, ladder, model_config
+    from experiments.demo.transcripts import direct_oracle_turns
+    from models.transformer import init
+    from rl.system.envs import byte_tokenizer
+
+    cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "rung": rung, "eval_tasks": 1, "out": str(tmp_path)})
+    (tmp_path / "tokenizer").mkdir()
+    data_tokenizer(byte_tokenizer()).save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    result = answer_likelihood(cfg, tmp_path, init(model_config(cfg), seed=0), "before")
+    if rung == "micro_bug":
+        assert result is None
+        return
+    tasks = ladder(tmp_path / "expected", cfg.seed + 1000, cfg.eval_tasks, rung)
+    answers = [c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn]
+    escaped = [json.dumps(a)[1:-1] for a in answers]  # e.g. '417\\n': the newline is two bytes in the call
+    assert result["tasks"] == 1
+    assert result["answer_tokens"] == len(escaped[0])
+    records = [json.loads(line) for line in (tmp_path / "eval" / "before" / "reference_completions.jsonl").open()]
+    assert result["format_tokens"] + result["answer_tokens"] == sum(len(r["completion"]) for r in records)
+    # a random-init byte model: about ln(264) nats a token, and the exact answer is very unlikely
+    assert 3.0 < result["answer_nll_per_token"] < 8.0 and result["p_exact_answer"] < 1e-6
+    assert len(result["answer_nll_by_position"]) == min(map(len, escaped))

@@ -432,12 +432,13 @@ def tool_use_stats(eval_dir: Path) -> dict[str, float]:
             "tool_call_ran": ran / n, "wrote_answer_txt": wrote / n}
 
 
-def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict:
+def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict | None:
     """Where the reward is lost: the model's per-token NLL of the scripted oracle's completion on the
     HELD-OUT tasks, split into the answer (the text written to answer.txt, as it appears JSON-escaped in the
     write_file call) and everything else (the tool-call format). exp(-sum of the answer's NLL) is the
     probability of writing exactly the right answer given a correct call so far: at temperature 1, an upper
-    bound on avg@1 when the format is always right."""
+    bound on avg@1 when the format is always right. Scores the turns that write answer.txt (every rung but
+    micro_bug); None when there are none."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -446,18 +447,25 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict:
     from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
 
     tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
-    jsonl = out / "eval" / label / "reference_completions.jsonl"
-    write_transcripts(tasks, jsonl, episode_config(cfg), sandbox_factory(cfg), grade_first=0, seed=cfg.seed)
-    tok = load_tokenizer(str(out / "tokenizer" / "tokenizer.json"))
     answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
                if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
-    fmt, ans, exact, by_pos = [], [], [], []
+    if not answers:
+        return None
+    jsonl = out / "eval" / label / "reference_completions.jsonl"
+    write_transcripts([t for t in tasks if t.id in answers], jsonl, episode_config(cfg), sandbox_factory(cfg),
+                      grade_first=0, seed=cfg.seed)
+    tok = load_tokenizer(str(out / "tokenizer" / "tokenizer.json"))
+    fmt, ans = [], []
     for rec in map(json.loads, jsonl.read_text().splitlines()):
-        prompt, completion = tok.encode(rec["prompt"]), tok.encode(rec["completion"])
         escaped = json.dumps(answers[rec["task_id"]])[1:-1]
-        start = rec["completion"].find(escaped)
-        if len(completion) != len(rec["completion"].encode()) or start < 0:
-            raise RuntimeError(f"answer span of {rec['task_id']} not found byte-aligned in its completion")
+        start = rec["completion"].find('"content": "' + escaped + '"')
+        if start < 0:
+            continue  # a turn before the one that writes the answer (e.g. reading a file)
+        start += len('"content": "')
+        prompt, completion = tok.encode(rec["prompt"]), tok.encode(rec["completion"])
+        if len(completion) != len(rec["completion"].encode()):
+            raise RuntimeError(f"the answer span needs a byte-level tokenizer; {rec['task_id']}'s completion "
+                               "is not one token per byte")
         ids = jnp.asarray([prompt + completion], jnp.int32)
         logp = jax.nn.log_softmax(model(ids, return_mtp=False).logits[0].astype(jnp.float32), -1)
         # logits at position i predict token i + 1
@@ -466,16 +474,16 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict:
         in_answer[start:start + len(escaped)] = True
         fmt.append(nll[~in_answer])
         ans.append(nll[in_answer])
-        exact.append(float(np.exp(-nll[in_answer].sum())))
-        by_pos.append(nll[in_answer])
-    width = min(len(a) for a in by_pos)
+    if not ans:
+        return None
+    width = min(len(a) for a in ans)
     return {"tasks": len(ans), "format_tokens": float(np.mean([len(f) for f in fmt])),
             "format_nll_per_token": float(np.concatenate(fmt).mean()),
             "answer_tokens": float(np.mean([len(a) for a in ans])),
             "answer_nll_per_token": float(np.concatenate(ans).mean()),
             "answer_nll_sum": float(np.mean([a.sum() for a in ans])),
-            "p_exact_answer": float(np.mean(exact)),
-            "answer_nll_by_position": [float(x) for x in np.mean([a[:width] for a in by_pos], 0)]}
+            "p_exact_answer": float(np.mean([np.exp(-a.sum()) for a in ans])),
+            "answer_nll_by_position": [float(x) for x in np.mean([a[:width] for a in ans], 0)]}
 
 
 def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict:
@@ -506,17 +514,17 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
 
     writer = MetricsWriter(out / "eval")
     scalars = {k2: v for k2, v in row.items() if isinstance(v, (int, float))}
-    scalars.update({f"answer_likelihood/{k2}": v for k2, v in row["answer_likelihood"].items()
+    scalars.update({f"answer_likelihood/{k2}": v for k2, v in (row["answer_likelihood"] or {}).items()
                     if isinstance(v, float)})
     writer.write(step, scalars, kind=f"eval_{label}")
     writer.close()
     print(f"eval {label}: avg@1 {row['avg@1']:.3f}  best-of-{k} {row[f'best_of_{k}']:.3f}  pass@{k} "
           f"{row[f'pass@{k}']:.3f}  parsed tool call {row['parsed_tool_call']:.2f}  wrote answer.txt "
           f"{row['wrote_answer_txt']:.2f}  ({row['episodes']} episodes)")
-    al = row["answer_likelihood"]
-    print(f"eval {label}: reference completion NLL/token: format {al['format_nll_per_token']:.3f}, answer "
-          f"{al['answer_nll_per_token']:.3f} ({al['answer_tokens']:.1f} tokens); P(exact answer) "
-          f"{al['p_exact_answer']:.2e}")
+    if al := row["answer_likelihood"]:
+        print(f"eval {label}: reference completion NLL/token: format {al['format_nll_per_token']:.3f}, answer "
+              f"{al['answer_nll_per_token']:.3f} ({al['answer_tokens']:.1f} tokens); P(exact answer) "
+              f"{al['p_exact_answer']:.2e}")
     return row
 
 

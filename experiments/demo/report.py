@@ -219,7 +219,7 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     L.append(f"| statuses | {before['statuses']} | {after['statuses']} |")
     L.append(f"| finish reasons | {before['finish_reasons']} | {after['finish_reasons']} |\n")
     L.append("![eval](plots/eval_before_after.png)\n")
-    if "answer_likelihood" in before and "answer_likelihood" in after:
+    if before.get("answer_likelihood") and after.get("answer_likelihood"):
         L += answer_likelihood_section(before["answer_likelihood"], after["answer_likelihood"])
     L.append("## 5. Hugging Face export\n")
     L.append(f"Final model written to [`hf/`](hf/) (DeepseekV3 format) and reloaded with transformers "
