@@ -158,7 +158,10 @@ t.close()
 
 
 def _worker(tmp_path, name):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+    # one device (drop conftest's 8 fake ones) but the same faster-compiling LLVM level; the runs share the
+    # compilation cache, so only the first compiles
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
                JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"))
     code = WORKER.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), name=name)
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
@@ -174,16 +177,25 @@ def _losses(run_dir):
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _wait_for_lines(path: Path, lines: int, proc, timeout_s: float = 300.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        time.sleep(0.05)
+
+
 def test_resume_after_kill_9_gives_the_same_losses_bitwise(tmp_path):
-    procs = [_worker(tmp_path, "straight"), _worker(tmp_path, "killed")]
+    # the killed run starts once the straight run has logged a step, i.e. compiled its train step into the
+    # shared cache (two cold compiles at once on two cores took 117 s of a CI run)
+    straight = _worker(tmp_path, "straight")
+    procs = [straight]
     try:
-        straight, killed = procs
+        _wait_for_lines(tmp_path / "straight" / "metrics.jsonl", 1, straight)
+        killed = _worker(tmp_path, "killed")
+        procs.append(killed)
         metrics = tmp_path / "killed" / "metrics.jsonl"
-        deadline = time.time() + 300
-        while time.time() < deadline and killed.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-                break
-            time.sleep(0.05)
+        _wait_for_lines(metrics, 5, killed)
         assert killed.poll() is None, killed.stdout.read().decode()[-3000:]
         killed.send_signal(signal.SIGKILL)
         killed.wait()
