@@ -127,20 +127,20 @@ class PlanSource:
     model: ModelConfig
     mesh: MeshConfig
     shapes: tuple[tuple[str, int | None, int | None], ...]
-    kind: str
 
 
 def load_plan_source(source: str, overrides=()) -> PlanSource:
     """A model preset, a RunConfig YAML, a pretraining YAML (planned per phase, at each phase's sequence
     length and batch) or any other run YAML with `model` and `mesh` sections (e.g. an RL system config, whose
     full schema lives above c2jax; planned at its `engine.max_len` when it has one)."""
+    import dataclasses
     from pathlib import Path
 
     from c2jax.config import RunConfig, _resolve_presets, apply_overrides, from_dict, load_config, load_yaml
 
     if not Path(source).is_file():
         cfg = load_config(source, overrides)
-        return PlanSource(cfg.model, cfg.mesh, (("", None, None),), "preset")
+        return PlanSource(cfg.model, cfg.mesh, (("", None, None),))
     data = load_yaml(source)
     if "phases" in data:
         from c2jax.train.config import load_pretrain_config
@@ -148,10 +148,10 @@ def load_plan_source(source: str, overrides=()) -> PlanSource:
         pcfg = load_pretrain_config(source, overrides)
         seq, batch = int(pcfg.data.get("seq_len", 0)) or None, int(pcfg.data.get("batch_size", 0)) or None
         shapes = tuple((f"phase {p.name}", p.seq_len or seq, p.batch_size or batch) for p in pcfg.phases)
-        return PlanSource(pcfg.model, pcfg.mesh, shapes, "pretraining")
-    if set(data) <= {"name", "seed", "model", "mesh", "distributed", "output_dir"}:
+        return PlanSource(pcfg.model, pcfg.mesh, shapes)
+    if set(data) <= {f.name for f in dataclasses.fields(RunConfig)}:
         cfg = load_config(source, overrides)
-        return PlanSource(cfg.model, cfg.mesh, (("", None, None),), "run")
+        return PlanSource(cfg.model, cfg.mesh, (("", None, None),))
     if "model" not in data:
         raise ConfigError(f"{source}: no `model` section to plan")
     run_keys = {k: data[k] for k in ("name", "seed", "model", "mesh") if k in data}
@@ -162,7 +162,7 @@ def load_plan_source(source: str, overrides=()) -> PlanSource:
     cfg = from_dict(RunConfig, _resolve_presets(apply_overrides(run_keys, run_overrides)))
     max_len = (data.get("engine") or {}).get("max_len")
     label = "engine.max_len" if max_len else ""
-    return PlanSource(cfg.model, cfg.mesh, ((label, int(max_len) if max_len else None, None),), "model and mesh")
+    return PlanSource(cfg.model, cfg.mesh, ((label, int(max_len) if max_len else None, None),))
 
 
 def add_parser(subparsers):

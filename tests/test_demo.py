@@ -74,7 +74,8 @@ def test_answer_likelihood_scores_exactly_the_answer_span(tmp_path, rung):
     cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "rung": rung, "eval_tasks": 1, "out": str(tmp_path)})
     (tmp_path / "tokenizer").mkdir()
     data_tokenizer(byte_tokenizer()).save(str(tmp_path / "tokenizer" / "tokenizer.json"))
-    result = answer_likelihood(cfg, tmp_path, init(model_config(cfg), seed=0), "before")
+    held_out = ladder(tmp_path / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, rung)
+    result = answer_likelihood(cfg, tmp_path, init(model_config(cfg), seed=0), "before", held_out)
     if rung == "micro_bug":
         assert result is None
         return

@@ -506,8 +506,9 @@ def test_text_prompts_render_a_user_turn_or_the_raw_text():
 
 
 def test_text_kind_runs_on_rendered_prompts(ray_local, tmp_path):
-    """Single-turn text tasks through the whole system (fake sampler/learner over the byte vocabulary):
-    prompts are chat-rendered user messages, every rollout is graded, held-out tasks are evaluated."""
+    """Single-turn text tasks through the whole system (fake sampler/learner over the byte vocabulary): every
+    rollout is graded and trained, held-out tasks are evaluated (the rendering itself is checked by
+    test_text_prompts_render_a_user_turn_or_the_raw_text)."""
     import json
 
     from rl.system.reconciler import run_system

@@ -432,13 +432,13 @@ def tool_use_stats(eval_dir: Path) -> dict[str, float]:
             "tool_call_ran": ran / n, "wrote_answer_txt": wrote / n}
 
 
-def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict | None:
+def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list) -> dict | None:
     """Where the reward is lost: the model's per-token NLL of the scripted oracle's completion on the
     HELD-OUT tasks, split into the answer (the text written to answer.txt, as it appears JSON-escaped in the
     write_file call) and everything else (the tool-call format). exp(-sum of the answer's NLL) is the
     probability of writing exactly the right answer given a correct call so far: at temperature 1, an upper
     bound on avg@1 when the format is always right. Scores the turns that write answer.txt (every rung but
-    micro_bug); None when there are none."""
+    micro_bug); None when there are none. `tasks`: the held-out tasks the eval ran."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -446,7 +446,6 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str) -> dict | N
     from c2jax.data.tokenizer import load_tokenizer
     from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
 
-    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
     answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
                if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
     if not answers:
@@ -508,7 +507,7 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
            f"pass@{k}": acc[f"pass@{k}"]["mean"],
            "statuses": summary["statuses"], "finish_reasons": summary["finish_reasons"],
            "completion_tokens_mean": summary["efficiency"]["completion_tokens"]["mean"],
-           **tool_use_stats(run_dir), "answer_likelihood": answer_likelihood(cfg, out, model, label)}
+           **tool_use_stats(run_dir), "answer_likelihood": answer_likelihood(cfg, out, model, label, tasks)}
     (run_dir / "summary.json").write_text(json.dumps({"demo": row, "summary": summary}, indent=1, default=str))
     from c2jax.train.metrics import MetricsWriter
 

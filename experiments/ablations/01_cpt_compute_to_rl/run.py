@@ -140,7 +140,10 @@ def demo_config(raw: dict, out: Path, quick: bool):
                       base_lr=float(raw["base"]["lr"]))
 
 
-def continued_pretraining(dcfg, raw: dict, out: Path, tokenizer: str, base_hf: str, budget: int) -> dict:
+def _annealed_run(dcfg, out: Path, name: str, init_hf: str, data: dict, phase: dict, stage: dict, steps: int,
+                  decay_fraction: float) -> dict:
+    """One single-phase WSD run from `init_hf` (each checkpoint is the end of its own annealed run), its
+    held-out loss on the data's one source as `eval_loss`."""
     from c2jax.train.config import (
         CheckpointConfig,
         EvalConfig,
@@ -151,54 +154,39 @@ def continued_pretraining(dcfg, raw: dict, out: Path, tokenizer: str, base_hf: s
     )
     from experiments.demo.pipeline import _train, model_config
 
-    c = raw["cpt"]
     pcfg = PretrainConfig(
-        name=f"cpt_{budget}", seed=dcfg.seed, output_dir=str(out), model=model_config(dcfg), init_from_hf=base_hf,
-        data={"tokenizer": tokenizer, "seq_len": int(c["seq_len"]), "batch_size": int(c["batch"]), "seed": dcfg.seed,
-              "sources": [{"name": "code", "kind": "stdlib_code", "path": sysconfig.get_paths()["stdlib"],
-                           "max_documents": int(raw["max_documents"]),
-                           "heldout_fraction": float(raw["heldout_fraction"])}]},
-        # warmup-stable-decay sized to the budget: each checkpoint is the end of its own annealed run
-        optimizer=OptimizerConfig(lr=float(c["lr"]), warmup_steps=max(1, budget // 10), schedule="wsd",
-                                  decay_fraction=float(c["decay_fraction"])),
+        name=name, seed=dcfg.seed, output_dir=str(out), model=model_config(dcfg), init_from_hf=init_hf,
+        data={"tokenizer": data["tokenizer"], "seq_len": int(stage["seq_len"]), "batch_size": int(stage["batch"]),
+              "seed": dcfg.seed, **{k: v for k, v in data.items() if k != "tokenizer"}},
+        optimizer=OptimizerConfig(lr=float(stage["lr"]), warmup_steps=max(1, steps // 10), schedule="wsd",
+                                  decay_fraction=decay_fraction),
         loss=LossConfig(mtp_weight=0.0, router_bias_rate=1e-3),
-        phases=(PhaseConfig(name="code", steps=budget),),
+        phases=(PhaseConfig(steps=steps, **phase),),
         checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
-        eval=EvalConfig(every=budget, batches=int(c["eval_batches"])), export_hf=True,
-        log_every=max(1, budget // 20), progress=False)
+        eval=EvalConfig(every=steps, batches=int(stage["eval_batches"])), export_hf=True,
+        log_every=max(1, steps // 20), progress=False)
     res = _train(pcfg)
-    res["eval_loss"] = res["evals"][-1]["eval_loss/code"]
+    res["eval_loss"] = res["evals"][-1][f"eval_loss/{data['sources'][0]['name']}"]
     return res
+
+
+def continued_pretraining(dcfg, raw: dict, out: Path, tokenizer: str, base_hf: str, budget: int) -> dict:
+    c = raw["cpt"]
+    data = {"tokenizer": tokenizer,
+            "sources": [{"name": "code", "kind": "stdlib_code", "path": sysconfig.get_paths()["stdlib"],
+                         "max_documents": int(raw["max_documents"]),
+                         "heldout_fraction": float(raw["heldout_fraction"])}]}
+    return _annealed_run(dcfg, out, f"cpt_{budget}", base_hf, data, {"name": "code"}, c, budget,
+                         float(c["decay_fraction"]))
 
 
 def sft(dcfg, raw: dict, out: Path, tokenizer: str, sft_jsonl: str, cpt_hf: str, budget: int) -> dict:
-    from c2jax.train.config import (
-        CheckpointConfig,
-        EvalConfig,
-        LossConfig,
-        OptimizerConfig,
-        PhaseConfig,
-        PretrainConfig,
-    )
-    from experiments.demo.pipeline import _train, model_config
-
     s = raw["sft"]
-    pcfg = PretrainConfig(
-        name=f"sft_{budget}", seed=dcfg.seed, output_dir=str(out), model=model_config(dcfg), init_from_hf=cpt_hf,
-        data={"tokenizer": tokenizer, "seq_len": int(s["seq_len"]), "batch_size": int(s["batch"]), "seed": dcfg.seed,
-              "loss_mask": "completion",
-              "sources": [{"name": "completion", "kind": "jsonl", "path": sft_jsonl, "prompt_field": "prompt",
-                           "completion_field": "completion", "heldout_fraction": float(s["heldout_fraction"])}]},
-        optimizer=OptimizerConfig(lr=float(s["lr"]), warmup_steps=max(1, int(s["steps"]) // 10), schedule="wsd",
-                                  decay_fraction=0.5),
-        loss=LossConfig(mtp_weight=0.0, router_bias_rate=1e-3),
-        phases=(PhaseConfig(name="sft", steps=int(s["steps"]), loss_mask="completion"),),
-        checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
-        eval=EvalConfig(every=int(s["steps"]), batches=int(s["eval_batches"])), export_hf=True,
-        log_every=max(1, int(s["steps"]) // 20), progress=False)
-    res = _train(pcfg)
-    res["eval_loss"] = res["evals"][-1]["eval_loss/completion"]
-    return res
+    data = {"tokenizer": tokenizer, "loss_mask": "completion",
+            "sources": [{"name": "completion", "kind": "jsonl", "path": sft_jsonl, "prompt_field": "prompt",
+                         "completion_field": "completion", "heldout_fraction": float(s["heldout_fraction"])}]}
+    return _annealed_run(dcfg, out, f"sft_{budget}", cpt_hf, data, {"name": "sft", "loss_mask": "completion"}, s,
+                         int(s["steps"]), 0.5)
 
 
 def reinforce(dcfg, raw: dict, out: Path, tasks: dict, sft_hf: str, budget: int) -> dict:
