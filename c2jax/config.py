@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from models.config import PRESETS, ConfigError, ModelConfig, preset
+from c2jax.models.config import PRESETS, ConfigError, ModelConfig, preset
 
 T = TypeVar("T")
 
@@ -324,7 +324,7 @@ def _resolve_presets(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(source: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
-    """`source` is a model preset name (see `models.config.PRESETS`) or a YAML file of a RunConfig.
+    """`source` is a model preset name (see `c2jax.models.config.PRESETS`) or a YAML file of a RunConfig.
 
     In YAML, `model: {preset: NAME, ...}` starts from that preset and applies the other keys on top.
     Overrides apply after the file, so `model.preset=tiny` on the command line switches the preset.

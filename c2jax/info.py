@@ -1,6 +1,6 @@
 """`c2jax info`: model size, training FLOPs and per-device memory, from abstract shapes only.
 
-Nothing is allocated: the model is built under `jax.eval_shape` (models.transformer.abstract_state),
+Nothing is allocated: the model is built under `jax.eval_shape` (c2jax.models.transformer.abstract_state),
 so this runs for the 1T-parameter preset on a laptop.
 """
 
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
+from c2jax.models.config import ModelConfig
+from c2jax.models.flops import param_counts, training_flops_per_token
+from c2jax.models.layers import RouterBias
+from c2jax.models.transformer import abstract_state
 from c2jax.sharding_rules import DEFAULT_PARAM_RULES, partition_spec, shard_factor
-from models.config import ModelConfig
-from models.flops import param_counts, training_flops_per_token
-from models.layers import RouterBias
-from models.transformer import abstract_state
 
 ADAM_MOMENTS = 2  # mu and nu, kept in float32 whatever the parameter dtype
 

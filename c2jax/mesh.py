@@ -4,7 +4,7 @@ Axis types are Auto on purpose: GSPMD propagates shardings from the parameters a
 the model, so model code carries no `out_sharding` annotations; the few places that need explicit
 collectives (expert and context parallelism) use `jax.shard_map` with specs derived from the same
 logical rules (models/expert_parallel.py, models/attention.py), and layer boundaries are pinned with
-`models.logical.constrain`. Explicit axes would make every ambiguous op in the model name its output
+`c2jax.models.logical.constrain`. Explicit axes would make every ambiguous op in the model name its output
 sharding, which buys nothing here that the shard_map islands do not already give.
 """
 
@@ -92,7 +92,7 @@ def jit_sharded(step_fn, mesh: Mesh, rules: Mapping[str, object], state_sharding
     """jax.jit of `step_fn(state, batch) -> (state, metrics)` with explicit in/out shardings, the state
     donated, and the logical activation rules installed while it traces (so layers constrain their
     activations and switch to their expert-/context-parallel forms)."""
-    from models.logical import logical_rules
+    from c2jax.models.logical import logical_rules
 
     def traced(state, batch):
         with logical_rules(mesh, rules):

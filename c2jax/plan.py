@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from c2jax.config import ConfigError, MeshConfig, add_source_arguments, resolve_source
-from models.config import ModelConfig
+from c2jax.models.config import ModelConfig
 
 ACCELERATORS_GB = {"H200": 141.0, "B200": 180.0, "H100": 80.0}  # HBM per GPU, 1 GB = 1e9 bytes
 DEFAULT_SEQ = 32768  # the report's short-context length

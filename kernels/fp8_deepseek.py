@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from kernels.blocking import from_blocks, normalize_axis, scales_to_axis, scales_to_last, to_blocks
-from kernels.formats import E4M3, block_amax, check_division, clip_cast, divide, not_clipped
+from c2jax.kernels.blocking import from_blocks, normalize_axis, scales_to_axis, scales_to_last, to_blocks
+from c2jax.kernels.formats import E4M3, block_amax, check_division, clip_cast, divide, not_clipped
 
 TILE = 128
 

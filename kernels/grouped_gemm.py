@@ -25,8 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels import dispatch
-from kernels.pallas_grouped import grouped_matmul_pallas
+from c2jax.kernels import dispatch
+from c2jax.kernels.pallas_grouped import grouped_matmul_pallas
 
 OP = "grouped_matmul"
 
@@ -104,7 +104,7 @@ def grouped_matmul_mosaic_sm90(lhs, rhs, group_sizes, preferred_element_type=Non
 
 
 def _jax_triton(lhs, rhs, group_sizes, preferred_element_type=None):
-    from kernels.jax_triton_grouped import grouped_matmul_jax_triton  # lazily: needs a CUDA jaxlib
+    from c2jax.kernels.jax_triton_grouped import grouped_matmul_jax_triton  # lazily: needs a CUDA jaxlib
 
     return grouped_matmul_jax_triton(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 

@@ -27,7 +27,7 @@ def _require_jax_triton():
         import triton.language as tl
     except ImportError as e:
         raise RuntimeError(
-            "kernels.jax_triton_grouped needs the optional packages jax-triton and triton with a CUDA jaxlib "
+            "c2jax.kernels.jax_triton_grouped needs the optional packages jax-triton and triton with a CUDA jaxlib "
             f"(pip install jax-triton 'jax[cuda12]'); import failed: {e}. Use impl='pallas_triton' or 'xla'."
         ) from e
     return jax_triton, triton, tl

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from kernels.blocking import from_blocks, scales_to_axis, scales_to_last, to_blocks
-from kernels.formats import (
+from c2jax.kernels.blocking import from_blocks, scales_to_axis, scales_to_last, to_blocks
+from c2jax.kernels.formats import (
     E8M0_NAN,
     ElementFormat,
     block_amax,

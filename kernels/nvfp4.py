@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from kernels.blocking import from_blocks, normalize_axis, scales_to_axis, scales_to_last, to_blocks
-from kernels.formats import E2M1, E4M3, check_division, clip_cast, divide, not_clipped
+from c2jax.kernels.blocking import from_blocks, normalize_axis, scales_to_axis, scales_to_last, to_blocks
+from c2jax.kernels.formats import E2M1, E4M3, check_division, clip_cast, divide, not_clipped
 
 NVFP4_BLOCK = 16
 SCALINGS = ("per_tensor", "per_token")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from kernels.mxfp8 import MX_BLOCK
+from c2jax.kernels.mxfp8 import MX_BLOCK
 
 
 def _pad_to(a, axis, multiple):

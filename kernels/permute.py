@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from kernels import dispatch
-from kernels.formats import block_amax, clip_cast, divide_pow2, e8m0_from_bits, element_format
-from kernels.mxfp8 import MX_BLOCK, MXTensor, mx_scale_bits, quantize_mx
+from c2jax.kernels import dispatch
+from c2jax.kernels.formats import block_amax, clip_cast, divide_pow2, e8m0_from_bits, element_format
+from c2jax.kernels.mxfp8 import MX_BLOCK, MXTensor, mx_scale_bits, quantize_mx
 
 OP = "permute_quantize_mx"
 

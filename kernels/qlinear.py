@@ -11,7 +11,7 @@ axis, from the high-precision tensors (the residuals are x and w, never their qu
 
 Q_f / Q_b are the recipe's forward and backward specs; products are FP32 dots of dequantized values.
 Straight-through estimator: dx and dw pass through Q_f unchanged except where the forward saturated,
-dx = dgrad * m_x, dw = wgrad * m_w, with m = |v / scale| < overflow (`kernels.formats.not_clipped`:
+dx = dgrad * m_x, dw = wgrad * m_w, with m = |v / scale| < overflow (`c2jax.kernels.formats.not_clipped`:
 zero where clipping changed the code). Under RCEIL MXFP8 and DeepSeek FP8 nothing saturates and the
 masks are skipped; NVFP4 saturates where a block scale rounded down (or underflowed) in E4M3, and OCP's
 FLOOR rule saturates the top of every block.
@@ -34,10 +34,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from kernels.formats import check_division
-from kernels.fp8_deepseek import fake_quantize_fp8_blocks, fake_quantize_fp8_tiles
-from kernels.mxfp8 import SCALE_RULES, fake_quantize_mx
-from kernels.nvfp4 import SCALINGS, fake_quantize_nvfp4
+from c2jax.kernels.formats import check_division
+from c2jax.kernels.fp8_deepseek import fake_quantize_fp8_blocks, fake_quantize_fp8_tiles
+from c2jax.kernels.mxfp8 import SCALE_RULES, fake_quantize_mx
+from c2jax.kernels.nvfp4 import SCALINGS, fake_quantize_nvfp4
 
 FORMATS = ("none", "mxfp8", "nvfp4", "fp8_deepseek")
 

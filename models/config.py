@@ -1,7 +1,7 @@
 """Model configuration: one frozen dataclass, field names follow Hugging Face's DeepseekV3Config.
 
 Keeping Hugging Face's names means a `config.json` maps onto `ModelConfig` field by field
-(see `models.hf`), and a reader who knows the HF model knows this one.
+(see `c2jax.models.hf`), and a reader who knows the HF model knows this one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 MOE_IMPLS = ("sorted", "ragged", "dense")
 MOE_EP_IMPLS = ("allgather", "ragged_a2a")
-# kernels.qlinear.RECIPES (kept literal here so the config imports nothing; tests check the two agree)
+# c2jax.kernels.qlinear.RECIPES (kept literal here so the config imports nothing; tests check the two agree)
 MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_per_tensor_fwd+mxfp8_bwd",
                      "mxfp8_floor", "fp8_deepseek")
 MOE_QUANT_DIVISIONS = ("ieee", "approx")

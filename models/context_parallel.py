@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from models.logical import active_mesh_axes
+from c2jax.models.logical import active_mesh_axes
 
 
 class ContextParallelMask(NamedTuple):

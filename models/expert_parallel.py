@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from models.logical import active_mesh_axes, batch_axes
-from models.moe import Routing, dispatch_sorted, route
+from c2jax.models.config import ModelConfig
+from c2jax.models.logical import active_mesh_axes, batch_axes
+from c2jax.models.moe import Routing, dispatch_sorted, route
 
 
 def _axis(axes: tuple[str, ...]):
@@ -66,7 +66,7 @@ def moe_expert_parallel(cfg: ModelConfig, x, w_router, bias, gate_up, down, repl
                         route_fn=route):
     """x [B, S, d] -> (routed-expert output [B, S, d], Routing over the B*S tokens), expert-parallel.
 
-    `route_fn(cfg, x_tokens, w_router, bias, replay)` is the router (models.moe.route by default), run on
+    `route_fn(cfg, x_tokens, w_router, bias, replay)` is the router (c2jax.models.moe.route by default), run on
     each rank's tokens."""
     found = expert_parallel_axes()
     mesh, ep_axes = found if found is not None else (token_parallel_mesh(), ())

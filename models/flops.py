@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from models.config import ModelConfig
-from models.transformer import abstract_state
+from c2jax.models.config import ModelConfig
+from c2jax.models.transformer import abstract_state
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
+from c2jax.models.config import ModelConfig
 
 
 class RouterBias(nnx.Variable):

@@ -8,7 +8,7 @@ Dispatch paths (`ModelConfig.moe_impl`):
           token is ever dropped and a balanced batch pays only ~1.25x the useful FLOPs. The default;
           its backward is written by hand (see `_sorted_experts`). With `ModelConfig.moe_quant` other
           than "bf16", its six expert GEMMs (fprop, dgrad, wgrad of both FCs) run through
-          kernels.qlinear, each operand quantized along that GEMM's contraction axis (docs/kernels.md).
+          c2jax.kernels.qlinear, each operand quantized along that GEMM's contraction axis (docs/kernels.md).
   ragged  `jax.lax.ragged_dot` over the sorted rows. Exact grouped GEMM semantics; XLA:CPU lowers it
           to a dense masked matmul (~E x the FLOPs), so it is an oracle on CPU and a candidate on GPU.
   dense   every expert on every token, combined with a [T, E] weight matrix. The simplest oracle.
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels import qlinear
-from models.config import ModelConfig
-from models.layers import MLP, RouterBias, param, swiglu_act_grads
-from models.logical import active_mesh_axes
+from c2jax.kernels import qlinear
+from c2jax.models.config import ModelConfig
+from c2jax.models.layers import MLP, RouterBias, param, swiglu_act_grads
+from c2jax.models.logical import active_mesh_axes
 
 
 class Routing(NamedTuple):
@@ -328,12 +328,12 @@ class MoE(nnx.Module):
         cfg = self.cfg
         batch, seq, d = x.shape
         gate_up, down = self.gate_up_proj[...], self.down_proj[...]
-        # imported here: models.expert_parallel builds on this module's route and dispatch
-        from models.expert_parallel import token_parallel_mesh
+        # imported here: c2jax.models.expert_parallel builds on this module's route and dispatch
+        from c2jax.models.expert_parallel import token_parallel_mesh
 
         sharded_tokens = cfg.moe_impl == "sorted" and token_parallel_mesh() is not None
         if active_mesh_axes("experts") is not None or sharded_tokens:
-            from models.expert_parallel import moe_expert_parallel
+            from c2jax.models.expert_parallel import moe_expert_parallel
 
             y, routing = moe_expert_parallel(cfg, x, self.gate[...], self.e_score_correction_bias[...],
                                              gate_up, down, replay_ids)

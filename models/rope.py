@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig, yarn_mscale
+from c2jax.models.config import ModelConfig, yarn_mscale
 
 
 def _yarn_correction_range(cfg: ModelConfig, dim: int) -> tuple[float, float]:

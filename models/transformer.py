@@ -14,13 +14,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.attention import MLAttention, attention_mask
-from models.config import ModelConfig
-from models.context_parallel import ContextParallelMask, balanced_order, context_parallel_size, inverse_order
-from models.layers import MLP, RMSNorm, dense, lm_head_cross_entropy, param
-from models.logical import constrain
-from models.moe import MoE
-from models.rope import rope_tables
+from c2jax.models.attention import MLAttention, attention_mask
+from c2jax.models.config import ModelConfig
+from c2jax.models.context_parallel import (
+    ContextParallelMask,
+    balanced_order,
+    context_parallel_size,
+    inverse_order,
+)
+from c2jax.models.layers import MLP, RMSNorm, dense, lm_head_cross_entropy, param
+from c2jax.models.logical import constrain
+from c2jax.models.moe import MoE
+from c2jax.models.rope import rope_tables
 
 
 class ModelOutput(NamedTuple):
@@ -135,7 +140,7 @@ class Transformer(nnx.Module):
     def token_losses(self, hidden, labels, norm: RMSNorm | None = None):
         """Per-token cross-entropy [B, S] of the output head on `hidden` (pre-norm, like ModelOutput.hidden)
         against `labels` [B, S]. Equals softmax_cross_entropy(self.logits(hidden), labels), but head and
-        loss share one hand-written backward (models.layers.lm_head_cross_entropy), which on XLA:CPU is
+        loss share one hand-written backward (c2jax.models.layers.lm_head_cross_entropy), which on XLA:CPU is
         about twice as fast as autodiff through the logits; under jit, unused `ModelOutput.logits` are
         dead code and cost nothing."""
         h = (self.norm if norm is None else norm)(hidden)

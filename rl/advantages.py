@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl.config import AdvantageConfig
+from c2jax.rl.config import AdvantageConfig
 
 
 def group_advantages(rewards: jnp.ndarray, cfg: AdvantageConfig | None = None) -> jnp.ndarray:

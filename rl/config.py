@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from models.config import ConfigError
+from c2jax.models.config import ConfigError
 
 PolicyLoss = Literal["reinforce", "ppo", "gspo", "cispo"]
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]

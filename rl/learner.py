@@ -18,14 +18,14 @@ from jax.sharding import Mesh
 
 from c2jax.config import MeshConfig
 from c2jax.mesh import activation_rules, jit_sharded
+from c2jax.models.transformer import Transformer
+from c2jax.rl.advantages import zero_variance_fraction
+from c2jax.rl.batch import RLBatch
+from c2jax.rl.config import RLConfig
+from c2jax.rl.kl import kl_estimate
+from c2jax.rl.losses import aggregation_weights, policy_token_loss
+from c2jax.rl.replay import logprob_mismatch, replay_override_fraction
 from c2jax.train.step import update_router_bias
-from models.transformer import Transformer
-from rl.advantages import zero_variance_fraction
-from rl.batch import RLBatch
-from rl.config import RLConfig
-from rl.kl import kl_estimate
-from rl.losses import aggregation_weights, policy_token_loss
-from rl.replay import logprob_mismatch, replay_override_fraction
 
 
 class RLState(NamedTuple):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rl.config import LengthPenaltyConfig
+from c2jax.rl.config import LengthPenaltyConfig
 
 # summary-dict key -> LengthPenaltyConfig weight field
 EFFORT_FIELDS = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_message_tokens",

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rl.config import LossConfig
+from c2jax.rl.config import LossConfig
 
 
 class TokenLoss(NamedTuple):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from rl.config import RewardConfig
-from rl.length_penalty import length_penalty
+from c2jax.rl.config import RewardConfig
+from c2jax.rl.length_penalty import length_penalty
 
 AuxiliaryReward = Callable[[Mapping[str, float]], float]
 AUXILIARY_REWARDS: dict[str, AuxiliaryReward] = {}

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.batch import RLBatch, replay_from_model
+from c2jax.rl.batch import RLBatch, replay_from_model
 
 
 def make_full_forward_sampler(graphdef: nnx.GraphDef, prompt_len: int, gen: int):

@@ -23,22 +23,3 @@ jax.config.update(
     os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache")),
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def _refuse_hub_kernels_distribution() -> None:
-    """Hugging Face's `kernels` distribution installs a top-level `kernels` module, the name of our
-    package; transformers then finds ours and its import fails deep inside. Say so up front."""
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution("kernels")
-    except metadata.PackageNotFoundError:
-        return
-    raise RuntimeError(
-        f"Hugging Face's `kernels` {dist.version} is installed in this environment and collides with "
-        "c2jax's `kernels` package (transformers>=5.25 requires it). Install the pinned dev extras "
-        "(`pip install -e '.[dev]'`, transformers<5.25) and `pip uninstall kernels`."
-    )
-
-
-_refuse_hub_kernels_distribution()

@@ -145,7 +145,7 @@ def test_approximate_division_changes_nvfp4_codes_never_mxfp8(tmp_path):
 
 
 def test_full_scale_rl_config_is_the_report_setup():
-    from rl.system.config import load_system_config
+    from c2jax.rl.system.config import load_system_config
 
     cfg = load_system_config(CONFIGS / "rl_composer2_k2.5.yaml")
     assert cfg.model.n_routed_experts == 384 and cfg.model.moe_quant == "nvfp4_per_token_fwd+mxfp8_bwd"

@@ -22,7 +22,7 @@ from c2jax.config import (
     save_resolved,
     to_dict,
 )
-from models.config import PRESETS, ModelConfig, RopeScaling, preset
+from c2jax.models.config import PRESETS, ModelConfig, RopeScaling, preset
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "configs"
@@ -197,15 +197,15 @@ def _load_any(path):
 
         return load_pretrain_config(str(path))
     if path.name.startswith("eval_"):
-        from rl.eval.config import load_eval_config
+        from c2jax.rl.eval.config import load_eval_config
 
         return load_eval_config(str(path))
     if path.name.startswith("rl_"):
-        from rl.system.config import load_system_config
+        from c2jax.rl.system.config import load_system_config
 
         return load_system_config(str(path))
     if path.name.startswith("tasks_"):
-        from rl.tasks.build import SuiteConfig
+        from c2jax.rl.tasks.build import SuiteConfig
 
         return from_dict(SuiteConfig, load_yaml(path))
     return load_config(str(path))

@@ -99,8 +99,8 @@ def test_packed_logits_equal_each_document_alone(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from models.config import preset
-    from models.transformer import init
+    from c2jax.models.config import preset
+    from c2jax.models.transformer import init
 
     docs = ["abc def", "hello world!", "xy", "0123456789 packing test"]
     cfg = data_config([jsonl_source(write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in docs]))],

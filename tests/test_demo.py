@@ -66,10 +66,10 @@ def test_demo_quick_end_to_end(tmp_path):
 def test_answer_likelihood_scores_exactly_the_answer_span(tmp_path, rung):
     """The demo's reward diagnosis: the NLL of the oracle's completion, split at the text it writes to
     answer.txt (JSON-escaped inside the write_file call); rungs without answer.txt have nothing to split."""
+    from c2jax.models.transformer import init
+    from c2jax.rl.system.envs import byte_tokenizer
     from experiments.demo.pipeline import DemoConfig, answer_likelihood, data_tokenizer, ladder, model_config
     from experiments.demo.transcripts import direct_oracle_turns
-    from models.transformer import init
-    from rl.system.envs import byte_tokenizer
 
     cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "rung": rung, "eval_tasks": 1, "out": str(tmp_path)})
     (tmp_path / "tokenizer").mkdir()

@@ -15,17 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rl.eval import EvalConfig, evaluate, load_eval_config
-from rl.eval.agents import oracle_turns, scripted_factory
-from rl.eval.behaviour import build_behaviour_suite, check_rules, grade_eager_editing
-from rl.eval.metrics import best_of_k, bootstrap_ci, cost_usd, pass_at_k, pass_hat_k
-from rl.eval.report import pareto_front, write_report
-from rl.eval.store import ResultStore, SampleResult
-from rl.eval.suite import SuiteError, build_manifest, load_suite, write_manifest
-from rl.harness.agents import ScriptedAgent
-from rl.tasks.build import sandbox_factory
-from rl.tasks.ladder import build_ladder
-from rl.tasks.task import load_tasks
+from c2jax.rl.eval import EvalConfig, evaluate, load_eval_config
+from c2jax.rl.eval.agents import oracle_turns, scripted_factory
+from c2jax.rl.eval.behaviour import build_behaviour_suite, check_rules, grade_eager_editing
+from c2jax.rl.eval.metrics import best_of_k, bootstrap_ci, cost_usd, pass_at_k, pass_hat_k
+from c2jax.rl.eval.report import pareto_front, write_report
+from c2jax.rl.eval.store import ResultStore, SampleResult
+from c2jax.rl.eval.suite import SuiteError, build_manifest, load_suite, write_manifest
+from c2jax.rl.harness.agents import ScriptedAgent
+from c2jax.rl.tasks.build import sandbox_factory
+from c2jax.rl.tasks.ladder import build_ladder
+from c2jax.rl.tasks.task import load_tasks
 
 LOCAL = sandbox_factory("local")
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,7 +264,7 @@ def test_behaviour_graders():
 
 
 def test_behaviour_suite_end_to_end(tmp_path):
-    from rl.tasks.grading import grade
+    from c2jax.rl.tasks.grading import grade
 
     build_behaviour_suite(tmp_path / "b")
     tasks = load_tasks(tmp_path / "b")
@@ -302,7 +302,7 @@ def test_behaviour_suite_end_to_end(tmp_path):
 
 # ------------------------------------------------------------------------------------------ formats
 def test_swebench_instances_through_the_runner(tmp_path):
-    from rl.tasks.patches import make_patch
+    from c2jax.rl.tasks.patches import make_patch
 
     repo = tmp_path / "repos" / "calc__calc-1"
     repo.mkdir(parents=True)
@@ -330,7 +330,7 @@ def test_humaneval_quick_suite(tmp_path):
 
 
 def test_cli_runs_and_names_bad_inputs(tmp_path, ladder, capsys):
-    from rl.eval import cli
+    from c2jax.rl.eval import cli
 
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers(dest="command"))
@@ -352,8 +352,8 @@ def test_pareto_front():
 
 
 def test_oracle_on_bwrap_sandbox(tmp_path, ladder):
-    from rl.sandbox import SandboxError
-    from rl.sandbox.bwrap import BwrapSandbox
+    from c2jax.rl.sandbox import SandboxError
+    from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
     try:
         with BwrapSandbox(ladder / load_tasks(ladder)[0].id / "environment" / "repo") as sb:
@@ -366,8 +366,8 @@ def test_oracle_on_bwrap_sandbox(tmp_path, ladder):
 
 
 def test_agent_configs_name_what_is_wrong(tmp_path):
-    from rl.eval.agents import load_checkpoint_engine, make_factory
-    from rl.eval.config import AgentConfig
+    from c2jax.rl.eval.agents import load_checkpoint_engine, make_factory
+    from c2jax.rl.eval.config import AgentConfig
 
     with pytest.raises(ValueError, match="not a c2jax run directory"):
         load_checkpoint_engine(tmp_path)
@@ -384,10 +384,10 @@ def _tiny_suite(tmp_path):
 
 _KILLED_RUN = """
 import sys, time
-from rl.eval import EvalConfig, evaluate
-from rl.eval.agents import scripted_factory
-from rl.tasks.build import sandbox_factory
-from rl.tasks.task import load_tasks
+from c2jax.rl.eval import EvalConfig, evaluate
+from c2jax.rl.eval.agents import scripted_factory
+from c2jax.rl.tasks.build import sandbox_factory
+from c2jax.rl.tasks.task import load_tasks
 
 oracle = scripted_factory("oracle")
 def slow(task, sample):
@@ -426,8 +426,8 @@ def test_sigkilled_run_resumes_with_the_same_totals(tmp_path, ladder):
 
 
 def test_visible_tests_selector_drives_best_of_k(tmp_path):
-    from rl.tasks.patches import make_patch
-    from rl.tasks.task import Task, write_task
+    from c2jax.rl.tasks.patches import make_patch
+    from c2jax.rl.tasks.task import Task, write_task
 
     buggy = {"calc.py": "def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n",
              "tests/test_visible.py": "from calc import add\n\n\ndef test_add_small():\n    assert add(1, 1) == 2\n"}
@@ -456,15 +456,15 @@ def test_checkpoint_agent_serves_a_run_in_its_last_phase_model_and_refuses_byte_
     import jax
 
     from c2jax.config import dump_yaml, to_dict
+    from c2jax.models.config import RopeScaling, preset
+    from c2jax.models.transformer import init
+    from c2jax.rl.eval.agents import make_factory
+    from c2jax.rl.eval.config import AgentConfig
+    from c2jax.rl.system.envs import byte_tokenizer
     from c2jax.train.checkpoint import Checkpointer
     from c2jax.train.config import PhaseConfig, PretrainConfig
     from c2jax.train.optim import make_optimizer
     from c2jax.train.step import init_train_state
-    from models.config import RopeScaling, preset
-    from models.transformer import init
-    from rl.eval.agents import make_factory
-    from rl.eval.config import AgentConfig
-    from rl.system.envs import byte_tokenizer
 
     tok_path = tmp_path / "tokenizer.json"
     byte_tokenizer().save(str(tok_path))  # 256 byte tokens + the chat tokens

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from rl.harness import (
+from c2jax.rl.harness import (
     ChatRenderer,
     EpisodeConfig,
     EpisodeTask,
@@ -27,8 +27,8 @@ from rl.harness import (
     read_trajectories,
     run_episode,
 )
-from rl.harness.episode import SUMMARY_PROMPT
-from rl.sandbox import LocalSandbox
+from c2jax.rl.harness.episode import SUMMARY_PROMPT
+from c2jax.rl.sandbox import LocalSandbox
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 TEST = "from calc import add\nassert add(2, 3) == 5, add(2, 3)\nprint('ok')\n"
@@ -452,7 +452,7 @@ def test_replay_record_aligns_sampler_experts_with_every_token(sandbox, tokenize
     come from the first turn's prefill, sampled token j of a turn from the decode pass that produced
     token j + 1, and the turn's last sampled token plus the environment tokens after it (tool output,
     headers) from the next turn's prefill; what the sampler never ran (after the last turn) is -1."""
-    from rl.harness.replay import UNSEEN, learner_replay_ids
+    from c2jax.rl.harness.replay import UNSEEN, learner_replay_ids
 
     texts = [tc("read_file", path="calc.py"), tc("grep", pattern="return"), "Done." + tc("submit", message="ok")]
     policy = FakePolicy(tokenizer, texts)
@@ -523,7 +523,7 @@ class _FakeChatServer(BaseHTTPRequestHandler):
 
 
 def test_openai_agent_against_local_endpoint(sandbox):
-    from rl.harness import OpenAIAgent
+    from c2jax.rl.harness import OpenAIAgent
 
     def fn_call(cid, name, arguments):
         return {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -567,8 +567,8 @@ def test_calls_after_submit_and_over_the_per_turn_limit_are_not_run(sandbox):
 
 
 def test_scripted_solution_on_bwrap_sandbox(repo):
-    from rl.sandbox import SandboxError
-    from rl.sandbox.bwrap import BwrapSandbox
+    from c2jax.rl.sandbox import SandboxError
+    from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
     try:
         sb = BwrapSandbox(repo)
@@ -583,7 +583,7 @@ def test_scripted_solution_on_bwrap_sandbox(repo):
 
 
 def test_signature_tool_listing_names_every_tool_and_marks_optional_args():
-    from rl.harness.chat_format import tool_signatures
+    from c2jax.rl.harness.chat_format import tool_signatures
 
     tools = default_registry()
     listing = tool_signatures(tools).splitlines()

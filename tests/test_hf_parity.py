@@ -1,4 +1,4 @@
-"""models.hf against transformers' DeepseekV3ForCausalLM (fp32, eval mode, eager attention): the independent
+"""c2jax.models.hf against transformers' DeepseekV3ForCausalLM (fp32, eval mode, eager attention): the independent
 reference. Tiny random models; routing made nontrivial (std-0.1 weights, random norm scales, nonzero
 e_score_correction_bias).
 
@@ -35,8 +35,8 @@ from flax import nnx  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from models.config import ConfigError, ModelConfig, preset  # noqa: E402
-from models.hf import (  # noqa: E402
+from c2jax.models.config import ConfigError, ModelConfig, preset  # noqa: E402
+from c2jax.models.hf import (  # noqa: E402
     CheckpointError,
     config_from_hf,
     config_to_hf,
@@ -525,7 +525,7 @@ def test_fp8_checkpoint(tmp_path):
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
 
-    from models.hf.safetensors_io import _SafetensorsFile
+    from c2jax.models.hf.safetensors_io import _SafetensorsFile
 
     file = _SafetensorsFile(tmp_path / "fp8" / "model.safetensors")
     key = "model.layers.0.mlp.gate_proj.weight"  # [136, 32]: two block rows, the second partial
@@ -547,7 +547,7 @@ def test_fp8_checkpoint(tmp_path):
     )
 
     # reference: transformers on the NumPy-dequantized weights (an fp32 per-expert checkpoint built here,
-    # without models.hf)
+    # without c2jax.models.hf)
     dequantized = {}
     for k in file.entries:
         if k.endswith("_scale_inv"):

@@ -1,5 +1,5 @@
-"""models.inference against the trainer's full-sequence forward (the independent reference here is the
-trainer itself: models.transformer.forward, already checked against HF transformers in test_hf_parity).
+"""c2jax.models.inference against the trainer's full-sequence forward (the independent reference here is the
+trainer itself: c2jax.models.transformer.forward, already checked against HF transformers in test_hf_parity).
 
 Spec:
   * prefill + latent-cache decode reproduces full-forward logits (fp32, rel err <= 1e-5), YaRN on and off;
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import preset
-from models.inference import (
+from c2jax.models.config import preset
+from c2jax.models.inference import (
     ContextWindowExceeded,
     EngineConfig,
     InferenceEngine,
@@ -30,7 +30,7 @@ from models.inference import (
     extend,
     init_cache,
 )
-from models.transformer import forward, init
+from c2jax.models.transformer import forward, init
 
 CFG = preset("tiny")  # YaRN, q LoRA, grouped routing, 1 dense + 2 MoE layers
 ENGINE = EngineConfig(slots=2, max_len=64, chunk_steps=4)

@@ -7,9 +7,9 @@ import pytest
 
 from c2jax.cli import main
 from c2jax.info import per_device_memory, report
+from c2jax.models.config import preset
+from c2jax.models.flops import param_counts, training_flops_per_token
 from c2jax.sharding_rules import partition_spec
-from models.config import preset
-from models.flops import param_counts, training_flops_per_token
 
 
 def closed_form_params(c):

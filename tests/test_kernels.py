@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import yaml
 
-from kernels import dispatch, fp8_deepseek, mxfp8, nvfp4, qlinear
-from kernels.grouped_gemm import grouped_matmul, grouped_matmul_reference, grouped_matmul_xla
-from kernels.pallas_grouped import grouped_matmul_mx_pallas, grouped_matmul_pallas
-from kernels.permute import permute_quantize_mx
+from c2jax.kernels import dispatch, fp8_deepseek, mxfp8, nvfp4, qlinear
+from c2jax.kernels.grouped_gemm import grouped_matmul, grouped_matmul_reference, grouped_matmul_xla
+from c2jax.kernels.pallas_grouped import grouped_matmul_mx_pallas, grouped_matmul_pallas
+from c2jax.kernels.permute import permute_quantize_mx
 
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="device-only kernel: needs a GPU")
 
@@ -247,7 +247,7 @@ def test_registry_selection_and_overrides(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_triton") is not None, reason="jax_triton is installed")
 def test_jax_triton_module_imports_and_fails_clearly_without_it():
-    from kernels import jax_triton_grouped
+    from c2jax.kernels import jax_triton_grouped
 
     lhs, rhs, gs = grouped_operands()
     with pytest.raises(RuntimeError, match="jax-triton"):
@@ -370,7 +370,7 @@ def test_nvfp4_per_tensor_leaks_across_sequences_per_token_does_not(scaling, lea
 
 # model integration --------------------------------------------------------------------------------
 def test_moe_quant_config_validation():
-    from models.config import MOE_QUANT_RECIPES, ConfigError, ModelConfig
+    from c2jax.models.config import MOE_QUANT_RECIPES, ConfigError, ModelConfig
 
     assert set(MOE_QUANT_RECIPES) == set(qlinear.RECIPES)
     with pytest.raises(ConfigError, match="moe_quant"):
@@ -383,8 +383,8 @@ def test_moe_quant_config_validation():
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd"])
 def test_quantized_sorted_dispatch_matches_fake_quantized_reference(recipe):
-    from models import moe
-    from models.config import ModelConfig
+    from c2jax.models import moe
+    from c2jax.models.config import ModelConfig
 
     cfg = ModelConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
                       moe_quant=recipe)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.attention import attention_mask, dot_product_attention
-from models.config import preset
-from models.layers import lm_head_cross_entropy, softmax_cross_entropy, swiglu
-from models.transformer import init
+from c2jax.models.attention import attention_mask, dot_product_attention
+from c2jax.models.config import preset
+from c2jax.models.layers import lm_head_cross_entropy, softmax_cross_entropy, swiglu
+from c2jax.models.transformer import init
 
 
 def rel_err(a, b):

@@ -7,10 +7,10 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from c2jax.mesh import shard_state
+from c2jax.models.config import preset
+from c2jax.models.logical import constrain, logical_rules
+from c2jax.models.transformer import forward, init
 from c2jax.sharding_rules import DEFAULT_PARAM_RULES
-from models.config import preset
-from models.logical import constrain, logical_rules
-from models.transformer import forward, init
 
 ACTIVATION_RULES = {"batch": ("data", "fsdp"), "seq": None, "embed": None, "vocab": None}
 

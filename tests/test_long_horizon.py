@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from rl.sandbox import LocalSandbox
-from rl.tasks import grade, load_task
-from rl.tasks.build import validate_task
-from rl.tasks.long_horizon import build_chain_tasks
-from rl.tasks.patches import make_patch
+from c2jax.rl.sandbox import LocalSandbox
+from c2jax.rl.tasks import grade, load_task
+from c2jax.rl.tasks.build import validate_task
+from c2jax.rl.tasks.long_horizon import build_chain_tasks
+from c2jax.rl.tasks.patches import make_patch
 
 
 def factory(repo):

@@ -8,9 +8,9 @@ from flax import nnx
 
 from c2jax.config import ConfigError, MeshConfig
 from c2jax.mesh import make_mesh, shard_state
+from c2jax.models.config import preset
+from c2jax.models.transformer import init
 from c2jax.train.step import init_train_state, make_train_step
-from models.config import preset
-from models.transformer import init
 
 CFG = preset("tiny").replace(num_nextn_predict_layers=0)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import preset
-from models.moe import MoE, capacity_buckets, route
+from c2jax.models.config import preset
+from c2jax.models.moe import MoE, capacity_buckets, route
 
 TINY = preset("tiny")
 IMPLS = ("sorted", "ragged", "dense")

@@ -22,13 +22,13 @@ from jax.sharding import PartitionSpec
 
 from c2jax.config import ConfigError, MeshConfig
 from c2jax.mesh import activation_rules, batch_shardings, make_mesh, shard_state, state_shardings
+from c2jax.models.attention import MLAttention, attention_mask
+from c2jax.models.config import preset
+from c2jax.models.context_parallel import ContextParallelMask, balanced_order, inverse_order
+from c2jax.models.logical import logical_rules
+from c2jax.models.rope import rope_tables
+from c2jax.models.transformer import abstract_state, forward, init
 from c2jax.sharding_rules import DEFAULT_PARAM_RULES, partition_spec
-from models.attention import MLAttention, attention_mask
-from models.config import preset
-from models.context_parallel import ContextParallelMask, balanced_order, inverse_order
-from models.logical import logical_rules
-from models.rope import rope_tables
-from models.transformer import abstract_state, forward, init
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "kimi_k25_fsdp8_expert8_specs.yaml"

@@ -18,13 +18,13 @@ import pytest
 from flax import nnx
 
 from c2jax.config import from_dict
+from c2jax.models.config import preset
+from c2jax.models.transformer import forward, init
 from c2jax.train.config import PretrainConfig
 from c2jax.train.loop import Trainer
 from c2jax.train.losses import mtp_self_distillation
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource, unigram_entropy
-from models.config import preset
-from models.transformer import forward, init
 
 CFG = preset("tiny").replace(moe_impl="dense")
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,14 +264,14 @@ def _reference_window_nll(logp_fn, ids: np.ndarray, window: int) -> float:
 
 
 def test_mesh_run_from_hf_with_muon_on_the_data_pipeline_exports_back(tmp_path):
-    """One short run covering: initialisation from a Hugging Face checkpoint (models.hf.save_pretrained
+    """One short run covering: initialisation from a Hugging Face checkpoint (c2jax.models.hf.save_pretrained
     of a model without MTP: the MTP module is created fresh), a 2 x 2 (data x fsdp) mesh, Muon, the real
     c2jax.data pipeline over a source tree, a phase that resets the optimizer, per-source eval loss and the
     codebase NLL metric, and the export back to HF format, checked against transformers."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from c2jax.data.packing import split_of
-    from models import hf
+    from c2jax.models import hf
 
     base_cfg = CFG.replace(vocab_size=260, num_nextn_predict_layers=0)  # bytes tokenizer: 259 ids
     base = init(base_cfg, seed=1)

@@ -11,14 +11,14 @@ import optax
 import pytest
 from flax import nnx
 
-from models.config import preset
-from models.moe import route
-from models.transformer import forward, init
-from rl.advantages import group_advantages
-from rl.batch import pack, replay_from_model
-from rl.config import KLConfig, LossConfig, RLConfig
-from rl.learner import init_rl_state, make_optimizer, make_rl_step
-from rl.toy import make_full_forward_sampler, single_turn_batch
+from c2jax.models.config import preset
+from c2jax.models.moe import route
+from c2jax.models.transformer import forward, init
+from c2jax.rl.advantages import group_advantages
+from c2jax.rl.batch import pack, replay_from_model
+from c2jax.rl.config import KLConfig, LossConfig, RLConfig
+from c2jax.rl.learner import init_rl_state, make_optimizer, make_rl_step
+from c2jax.rl.toy import make_full_forward_sampler, single_turn_batch
 
 CFG = preset("tiny").replace(vocab_size=16, num_hidden_layers=2, num_nextn_predict_layers=0, moe_impl="dense",
                              n_group=1, topk_group=1)

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from c2jax.config import from_dict, parse_yaml
-from models.config import ConfigError
-from rl.advantages import chain_rewards, group_advantages, token_advantages, zero_variance_fraction
-from rl.config import AdvantageConfig, LengthPenaltyConfig, LossConfig, RewardConfig, RLConfig
-from rl.kl import kl_estimate
-from rl.length_penalty import concave_length_cost, effort, length_penalty
-from rl.losses import aggregate, aggregation_weights, policy_token_loss
-from rl.rewards import compute_reward
+from c2jax.models.config import ConfigError
+from c2jax.rl.advantages import chain_rewards, group_advantages, token_advantages, zero_variance_fraction
+from c2jax.rl.config import AdvantageConfig, LengthPenaltyConfig, LossConfig, RewardConfig, RLConfig
+from c2jax.rl.kl import kl_estimate
+from c2jax.rl.length_penalty import concave_length_cost, effort, length_penalty
+from c2jax.rl.losses import aggregate, aggregation_weights, policy_token_loss
+from c2jax.rl.rewards import compute_reward
 
 # jitted once per config: eager dispatch of many tiny ops costs more than these compiles
 _token_loss = jax.jit(policy_token_loss, static_argnames=("num_sequences", "cfg"))

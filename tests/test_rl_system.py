@@ -5,11 +5,11 @@ tiny model (rl_step + InferenceEngine)."""
 import numpy as np
 import pytest
 
-from rl.system.config import load_system_config
-from rl.system.groups import Group, Rollout, build_batch
-from rl.system.staleness import StalenessManager, is_stale
-from rl.system.store import GroupStore
-from rl.system.weight_sync import DeltaDecoder, DeltaEncoder, WeightChain, WeightSyncError
+from c2jax.rl.system.config import load_system_config
+from c2jax.rl.system.groups import Group, Rollout, build_batch
+from c2jax.rl.system.staleness import StalenessManager, is_stale
+from c2jax.rl.system.store import GroupStore
+from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder, WeightChain, WeightSyncError
 
 FAKE = ["backend.learner=fake", "backend.policy=fake", "resume=false", "rl.learning_rate=0.5",
         "rl.loss.constant_normalizer=64", "env.gen_len=8", "system.seq_len=16", "system.groups_per_step=2",
@@ -82,7 +82,7 @@ def test_staleness_rules_and_admission():
 
 
 def test_group_assembly_tags_versions_and_advantages():
-    from rl.config import AdvantageConfig
+    from c2jax.rl.config import AdvantageConfig
 
     groups = [_group("g1", (3, 4)).with_advantages(AdvantageConfig()), _group("g2", (4, 4), (1.0, 1.0))]
     groups[1].with_advantages(AdvantageConfig())
@@ -97,9 +97,9 @@ def test_group_assembly_tags_versions_and_advantages():
 
 @pytest.mark.parametrize("policy", ["drop", "requeue"])
 def test_reconciler_drops_or_requeues_groups_past_the_bound(tmp_path, policy):
-    from rl.config import AdvantageConfig
-    from rl.system.curriculum import Curriculum
-    from rl.system.reconciler import Reconciler
+    from c2jax.rl.config import AdvantageConfig
+    from c2jax.rl.system.curriculum import Curriculum
+    from c2jax.rl.system.reconciler import Reconciler
 
     cfg = _cfg(tmp_path, "rules", "system.max_staleness=1", f"system.stale_policy={policy}")
     rec = Reconciler(cfg)
@@ -137,8 +137,8 @@ def test_group_store_resumes_untrained_and_uncheckpointed_groups(tmp_path):
 
 
 def test_online_eval_uses_the_canonical_estimators():
-    """avg@1 = mean c/n, pass@K, best-of-K with the model-confidence selector (rl.eval.metrics)."""
-    from rl.system.actors import eval_scores
+    """avg@1 = mean c/n, pass@K, best-of-K with the model-confidence selector (c2jax.rl.eval.metrics)."""
+    from c2jax.rl.system.actors import eval_scores
 
     rewards = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
     scores = [[-2.0, -1.0], [-1.0, -1.0], [-3.0, -0.5]]  # prompt 0: the selector picks the failed sample
@@ -172,8 +172,8 @@ def _accounted(out):
 def async_run(ray_local, tmp_path_factory):
     """One async run with the fake backends, shared: its properties are checked by one test and its run
     directory is resumed by another (each run_system starts fresh actor processes: seconds each)."""
+    from c2jax.rl.system.reconciler import run_system
     from c2jax.train.metrics import read_metrics
-    from rl.system.reconciler import run_system
 
     cfg = _cfg(tmp_path_factory.mktemp("async"), "async", "system.steps=6", "system.max_staleness=1", "eval.every=3",
                "eval.k=2", "env.eval_prompts=2", "env.delay_s=0.02", "weight_sync.full_every=4", "checkpoint.every=1")
@@ -208,7 +208,7 @@ def test_async_run_bounds_staleness_syncs_weights_and_evaluates(async_run):
 
 
 def test_sync_mode_trains_on_policy(ray_local, tmp_path):
-    from rl.system.reconciler import run_system
+    from c2jax.rl.system.reconciler import run_system
 
     out = run_system(_cfg(tmp_path, "sync", "system.mode=sync", "system.steps=2", "system.num_rollout_workers=1"))
     assert out["version"] == 2
@@ -216,7 +216,7 @@ def test_sync_mode_trains_on_policy(ray_local, tmp_path):
 
 
 def test_killed_rollout_and_env_workers_lose_no_episode(ray_local, tmp_path):
-    from rl.system.reconciler import run_system
+    from c2jax.rl.system.reconciler import run_system
 
     killed = {}
 
@@ -244,8 +244,8 @@ def test_killed_rollout_and_env_workers_lose_no_episode(ray_local, tmp_path):
 def test_resume_from_persisted_groups_and_learner_checkpoint(async_run):
     """The async run above checkpointed every step; resuming its run directory restores the learner at
     version 6 and trains the persisted groups it had not trained (or drops them as stale)."""
-    from rl.system.reconciler import run_system
-    from rl.system.store import GroupStore
+    from c2jax.rl.system.reconciler import run_system
+    from c2jax.rl.system.store import GroupStore
 
     run_dir = async_run["cfg"].run_dir
     pending = GroupStore(run_dir).pending(6)
@@ -273,7 +273,7 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
     the same run in sync mode. Step 1 trains version-0 tokens on version-0 weights: replaying the sampler's
     experts, the learner reproduces its logprobs, and the plausibility filter fires at most on each
     sequence's final token (which the sampler never ran as an input: 1 of the 6 positions)."""
-    from rl.system.reconciler import run_system
+    from c2jax.rl.system.reconciler import run_system
 
     rises = {}
     for mode in ("async", "sync"):
@@ -318,10 +318,10 @@ def test_learner_starts_from_init_from_and_rejects_missing_or_incompatible_check
 
     from flax import nnx
 
-    from models import hf
-    from models.config import ConfigError
-    from models.transformer import init
-    from rl.system.backends import RLLearner, check_init_from, flatten_weights
+    from c2jax.models import hf
+    from c2jax.models.config import ConfigError
+    from c2jax.models.transformer import init
+    from c2jax.rl.system.backends import RLLearner, check_init_from, flatten_weights
 
     cfg = load_system_config(None, [*TINY, f"output_dir={tmp_path}", "name=init"])
     source = init(cfg.model, seed=123)
@@ -350,8 +350,8 @@ def test_learner_on_a_mesh_takes_the_single_device_step(tmp_path):
     import jax
 
     from c2jax.config import MeshConfig
-    from rl.config import AdvantageConfig
-    from rl.system.backends import RLLearner
+    from c2jax.rl.config import AdvantageConfig
+    from c2jax.rl.system.backends import RLLearner
 
     # a large Adam eps: g / (|g| + eps) would otherwise blow float-order noise of ~0 gradients up to ~lr
     cfg = load_system_config(None, [*TINY, "model.moe_impl=sorted", "rl.adam_eps=1e-4", f"output_dir={tmp_path}",
@@ -381,16 +381,23 @@ def test_router_replay_of_a_multi_turn_episode_reproduces_the_sampler_in_the_lea
     batch carries none."""
     import jax
 
-    from models.config import preset
-    from models.inference.engine import EngineConfig, InferenceEngine
-    from models.transformer import init
-    from rl.config import AdvantageConfig, RLConfig
-    from rl.harness import ChatRenderer, EpisodeConfig, EpisodeTask, SamplerAgent, ToolRegistry, run_episode
-    from rl.harness.replay import UNSEEN
-    from rl.learner import init_rl_state, make_optimizer, make_rl_step
-    from rl.sandbox import LocalSandbox
-    from rl.system.envs import byte_tokenizer
-    from rl.system.groups import sequence
+    from c2jax.models.config import preset
+    from c2jax.models.inference.engine import EngineConfig, InferenceEngine
+    from c2jax.models.transformer import init
+    from c2jax.rl.config import AdvantageConfig, RLConfig
+    from c2jax.rl.harness import (
+        ChatRenderer,
+        EpisodeConfig,
+        EpisodeTask,
+        SamplerAgent,
+        ToolRegistry,
+        run_episode,
+    )
+    from c2jax.rl.harness.replay import UNSEEN
+    from c2jax.rl.learner import init_rl_state, make_optimizer, make_rl_step
+    from c2jax.rl.sandbox import LocalSandbox
+    from c2jax.rl.system.envs import byte_tokenizer
+    from c2jax.rl.system.groups import sequence
 
     mcfg = preset("tiny").replace(vocab_size=264, num_hidden_layers=2, num_nextn_predict_layers=0, moe_impl="dense",
                                   n_group=1, topk_group=1, router_replay_filter_ratio=0.9)
@@ -444,7 +451,7 @@ def test_router_replay_of_a_multi_turn_episode_reproduces_the_sampler_in_the_lea
 def test_text_reward_is_the_common_prefix_over_the_longer_string():
     import os
 
-    from rl.system.envs import text_reward
+    from c2jax.rl.system.envs import text_reward
 
     cases = [("abcdef", "abcxyz"), ("abc", "abcdef"), ("abcdef", "abc"), ("", "abc"), ("xyz", "abc"), ("ab", "ab")]
     for answer, ref in cases:
@@ -458,7 +465,7 @@ def test_text_reward_is_the_common_prefix_over_the_longer_string():
 def test_text_task_files_are_checked(tmp_path):
     import json
 
-    from rl.system.envs import load_text_tasks
+    from c2jax.rl.system.envs import load_text_tasks
 
     good = tmp_path / "ok.jsonl"
     good.write_text(json.dumps({"id": "a", "prompt": "p", "reference": "r"}) + "\n\n")
@@ -477,9 +484,9 @@ def test_text_task_files_are_checked(tmp_path):
 
 
 def test_text_grader_reads_the_answer_up_to_im_end():
-    from rl.harness import ChatRenderer
-    from rl.system.config import EnvConfig
-    from rl.system.envs import EnvironmentHost, byte_tokenizer
+    from c2jax.rl.harness import ChatRenderer
+    from c2jax.rl.system.config import EnvConfig
+    from c2jax.rl.system.envs import EnvironmentHost, byte_tokenizer
 
     r = ChatRenderer(byte_tokenizer())
     host = EnvironmentHost(EnvConfig(kind="text", text_tasks="x", text_eval_tasks="y"), {"t1": "return x"})
@@ -491,8 +498,8 @@ def test_text_grader_reads_the_answer_up_to_im_end():
 
 
 def test_text_prompts_render_a_user_turn_or_the_raw_text():
-    from rl.harness import ChatRenderer
-    from rl.system.envs import byte_tokenizer, text_prompts
+    from c2jax.rl.harness import ChatRenderer
+    from c2jax.rl.system.envs import byte_tokenizer, text_prompts
 
     r = ChatRenderer(byte_tokenizer())
     tasks = [{"id": "a", "prompt": "def f(<|im_end|>", "reference": "x"}]
@@ -511,7 +518,7 @@ def test_text_kind_runs_on_rendered_prompts(ray_local, tmp_path):
     test_text_prompts_render_a_user_turn_or_the_raw_text)."""
     import json
 
-    from rl.system.reconciler import run_system
+    from c2jax.rl.system.reconciler import run_system
 
     for name, n in (("train", 6), ("eval", 3)):
         with open(tmp_path / f"{name}.jsonl", "w") as f:

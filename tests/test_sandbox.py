@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.sandbox import BwrapSandbox, Limits, LocalSandbox, SandboxError, SandboxPathError, SandboxPool
-from rl.sandbox.bwrap import bwrap_unusable_reason
+from c2jax.rl.sandbox import BwrapSandbox, Limits, LocalSandbox, SandboxError, SandboxPathError, SandboxPool
+from c2jax.rl.sandbox.bwrap import bwrap_unusable_reason
 
 _UNUSABLE = bwrap_unusable_reason()
 needs_bwrap = pytest.mark.skipif(_UNUSABLE is not None, reason=f"bubblewrap unusable: {_UNUSABLE}")
@@ -158,7 +158,7 @@ def test_memory_bomb_is_killed(sbx):
 
 @needs_bwrap
 def test_memory_bomb_is_contained_without_cgroups(repo, tmp_path, monkeypatch):
-    monkeypatch.setattr("rl.sandbox.bwrap._cgroup_layout", lambda: None)  # a host with no writable cgroup
+    monkeypatch.setattr("c2jax.rl.sandbox.bwrap._cgroup_layout", lambda: None)  # a host with no writable cgroup
     with BwrapSandbox(repo, state_dir=tmp_path, limits=Limits(memory_bytes=512 * 1024**2)) as s:
         assert not s.cgroup_limited
         r = s.exec("python -c \"x = bytearray(1024**3); print('SURVIVED')\"")

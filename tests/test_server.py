@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 from flax import nnx
 
-from models.config import preset
-from models.inference import EngineConfig, InferenceEngine, Request
-from models.inference.server import InferenceServer
-from models.transformer import init
+from c2jax.models.config import preset
+from c2jax.models.inference import EngineConfig, InferenceEngine, Request
+from c2jax.models.inference.server import InferenceServer
+from c2jax.models.transformer import init
 
 openai = pytest.importorskip("openai")
 tokenizers = pytest.importorskip("tokenizers")

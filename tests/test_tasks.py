@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from rl.sandbox import LocalSandbox
-from rl.tasks import Task, grade, load_task, write_task
-from rl.tasks.build import LibraryConfig, build_library, check_splits_disjoint, validate_task
-from rl.tasks.deletion import deletable, delete_feature
-from rl.tasks.ladder import build_ladder
-from rl.tasks.mutation import apply, candidates
-from rl.tasks.patches import drop_test_files, is_test_path, make_patch, patch_size
-from rl.tasks.release import build_release_task, changelog_added
-from rl.tasks.swebench import instance_to_task, load_instances, write_predictions, write_report
+from c2jax.rl.sandbox import LocalSandbox
+from c2jax.rl.tasks import Task, grade, load_task, write_task
+from c2jax.rl.tasks.build import LibraryConfig, build_library, check_splits_disjoint, validate_task
+from c2jax.rl.tasks.deletion import deletable, delete_feature
+from c2jax.rl.tasks.ladder import build_ladder
+from c2jax.rl.tasks.mutation import apply, candidates
+from c2jax.rl.tasks.patches import drop_test_files, is_test_path, make_patch, patch_size
+from c2jax.rl.tasks.release import build_release_task, changelog_added
+from c2jax.rl.tasks.swebench import instance_to_task, load_instances, write_predictions, write_report
 
 
 def factory(repo):

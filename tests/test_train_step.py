@@ -5,9 +5,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from c2jax.models.config import preset
+from c2jax.models.transformer import forward, init
 from c2jax.train.step import init_train_state, make_train_step
-from models.config import preset
-from models.transformer import forward, init
 
 CFG = preset("tiny").replace(num_nextn_predict_layers=0)
 

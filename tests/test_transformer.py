@@ -9,9 +9,9 @@ import optax
 import pytest
 from flax import nnx
 
-from models.config import ConfigError, ModelConfig, preset
-from models.layers import RouterBias
-from models.transformer import abstract_state, forward, init
+from c2jax.models.config import ConfigError, ModelConfig, preset
+from c2jax.models.layers import RouterBias
+from c2jax.models.transformer import abstract_state, forward, init
 
 TINY = preset("tiny")
 
@@ -146,7 +146,7 @@ def test_every_parameter_has_logical_axes_matching_its_rank():
 
 def test_bias_shifts_selection_but_not_combine_weights(tiny_model):
     """With a huge bias on expert 0 it is always selected, yet its weight comes from the raw score."""
-    from models.moe import route
+    from c2jax.models.moe import route
 
     cfg = TINY.replace(n_group=1, topk_group=1)
     x = jax.random.normal(jax.random.key(0), (16, cfg.hidden_size))

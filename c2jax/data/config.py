@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from models.config import ConfigError
+from c2jax.models.config import ConfigError
 
 SourceKind = Literal["jsonl", "parquet", "arrayrecord", "source_tree", "stdlib_code", "stdlib_docs", "stdlib_sft"]
 

@@ -25,7 +25,7 @@ from c2jax.data.mixture import TokenMixIterDataset
 from c2jax.data.packing import chunk, row_features, split_of, stack_rows, tokenize_document
 from c2jax.data.sources import open_source
 from c2jax.data.tokenizer import Tokenizer, load_tokenizer
-from models.config import ConfigError
+from c2jax.models.config import ConfigError
 
 Split = Literal["train", "eval"]
 FEATURES = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")

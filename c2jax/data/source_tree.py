@@ -17,7 +17,7 @@ from pathlib import Path
 import pathspec
 
 from c2jax.data.config import SourceConfig
-from models.config import ConfigError
+from c2jax.models.config import ConfigError
 
 LANGUAGES: dict[str, tuple[str, ...]] = {
     "python": (".py", ".pyi"), "c": (".c", ".h"), "cpp": (".cc", ".cpp", ".cxx", ".hpp", ".hh", ".hxx"),

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from c2jax.data.config import SourceConfig
-from models.config import ConfigError
+from c2jax.models.config import ConfigError
 
 Document = dict[str, Any]
 _SUFFIXES = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "arrayrecord": (".array_record", ".arrayrecord")}

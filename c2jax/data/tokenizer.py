@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import ConfigError
+from c2jax.models.config import ConfigError
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
 _EOS_CANDIDATES = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|end_of_text|>", "<|im_end|>")

@@ -18,7 +18,7 @@ from c2jax.config import (
     from_dict,
     load_yaml,
 )
-from models.config import ModelConfig, RopeScaling
+from c2jax.models.config import ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,15 @@ import optax
 from flax import nnx
 
 from c2jax.mesh import activation_rules, batch_spec
+from c2jax.models.config import ConfigError, ModelConfig
+from c2jax.models.flops import training_flops_per_token
+from c2jax.models.transformer import Transformer, init
 from c2jax.train.checkpoint import Checkpointer
 from c2jax.train.config import PhaseConfig, PretrainConfig, save_resolved
 from c2jax.train.evaluate import codebase_nll, eval_loss, make_eval_step, read_codebase
 from c2jax.train.metrics import MetricsWriter, device_peak_flops, measure_peak_flops
 from c2jax.train.optim import make_optimizer
 from c2jax.train.step import TrainState, init_train_state, make_train_step
-from models.config import ConfigError, ModelConfig
-from models.flops import training_flops_per_token
-from models.transformer import Transformer, init
 
 BatchSource = Callable[[PretrainConfig, PhaseConfig, str], Iterator[dict]]
 
@@ -99,14 +99,14 @@ _EXECUTION_FIELDS = ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_
 
 
 def load_hf_for_pretraining(path: str | Path, run_model: ModelConfig, seed: int) -> Transformer:
-    """A model for continued pretraining from a DeepseekV3-format checkpoint (`models.hf.from_pretrained`).
+    """A model for continued pretraining from a DeepseekV3-format checkpoint (`c2jax.models.hf.from_pretrained`).
 
     The architecture is the checkpoint's (a warning lists the run's `model` fields it overrides); the
     execution settings (`_EXECUTION_FIELDS`) are the run's. The MTP depth is the run's
     `model.num_nextn_predict_layers`: MTP modules the checkpoint holds are loaded, modules it lacks are
     freshly initialised (Composer 2 initialises MTP from scratch; `mtp_init_step` re-draws them anyway),
     and with depth 0 checkpoint MTP tensors are dropped."""
-    from models import hf
+    from c2jax.models import hf
 
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"init_from_hf: {path} has no config.json (expected a DeepseekV3-format checkpoint)")
@@ -328,9 +328,9 @@ class Trainer:
         return {"step": step, "losses": self.losses, "meta": self.meta}
 
     def export_hf(self, path: Path) -> None:
-        """Write the current weights as a DeepseekV3-format checkpoint (`models.hf.save_pretrained`), with
+        """Write the current weights as a DeepseekV3-format checkpoint (`c2jax.models.hf.save_pretrained`), with
         the model config of the last phase (e.g. its RoPE scaling)."""
-        from models import hf
+        from c2jax.models import hf
 
         model_cfg = phase_model_config(self.cfg, self.cfg.phases[-1])
         graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg)), nnx.Param, ...)[0]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from c2jax.models.transformer import Transformer
 from c2jax.train.losses import (
     expert_load_stats,
     masked_ce_sum,
@@ -22,7 +23,6 @@ from c2jax.train.losses import (
     mtp_self_distillation,
     z_loss_sum,
 )
-from models.transformer import Transformer
 
 BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -170,7 +170,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
     if mesh is not None:
         # activation rules installed while tracing: MoE layers go expert-parallel and attention
         # context-parallel when the mesh has those axes (c2jax/mesh.py, docs/parallelism.md)
-        from models.logical import logical_rules
+        from c2jax.models.logical import logical_rules
 
         plain_step = train_step
 

@@ -61,8 +61,8 @@ PROFILES = {
 
 def measure(mode: str, steps: int, delay: float, staleness: int, out_dir: Path, extra: list[str],
             warmup: int, sigma: float = 0.0) -> dict:
-    from rl.system.config import load_system_config
-    from rl.system.reconciler import run_system
+    from c2jax.rl.system.config import load_system_config
+    from c2jax.rl.system.reconciler import run_system
 
     cfg = load_system_config(None, [*BASE, f"system.mode={mode}", f"system.steps={steps}", f"env.delay_s={delay}",
                                     f"env.delay_sigma={sigma}", f"system.max_staleness={staleness}",
@@ -91,12 +91,19 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    from rl.harness import ChatRenderer, EpisodeConfig, EpisodeTask, SamplerAgent, ToolRegistry, run_episode
-    from rl.sandbox import LocalSandbox
-    from rl.system.actors import _TokenPolicy
-    from rl.system.backends import EnginePolicy, flatten_weights
-    from rl.system.config import load_system_config
-    from rl.system.envs import byte_tokenizer
+    from c2jax.rl.harness import (
+        ChatRenderer,
+        EpisodeConfig,
+        EpisodeTask,
+        SamplerAgent,
+        ToolRegistry,
+        run_episode,
+    )
+    from c2jax.rl.sandbox import LocalSandbox
+    from c2jax.rl.system.actors import _TokenPolicy
+    from c2jax.rl.system.backends import EnginePolicy, flatten_weights
+    from c2jax.rl.system.config import load_system_config
+    from c2jax.rl.system.envs import byte_tokenizer
 
     cfg = load_system_config(None, ["model.preset=tiny", "model.vocab_size=264", "model.num_nextn_predict_layers=0",
                                     "model.moe_impl=dense", f"engine.slots={max(group, 2)}", "engine.max_len=512",
@@ -105,7 +112,7 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
     backend = EnginePolicy(cfg, renderer.decode)
     from flax import nnx
 
-    from models.transformer import init
+    from c2jax.models.transformer import init
     backend.load(flatten_weights(*nnx.split(init(cfg.model, 0), nnx.Param, ...)[1:]), 0)
     policy = _TokenPolicy(backend, lambda: None)
     ecfg = EpisodeConfig(max_turns=turns, max_new_tokens_per_turn=32, max_context_tokens=512,

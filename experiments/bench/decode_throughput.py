@@ -1,6 +1,6 @@
 """Decode throughput and time-to-first-token: c2jax InferenceEngine vs HF transformers `generate`.
 
-Same model (the `small` preset, random weights, converted to DeepseekV3ForCausalLM through models.hf), same
+Same model (the `small` preset, random weights, converted to DeepseekV3ForCausalLM through c2jax.models.hf), same
 machine, same shapes: batch B of prompts of P tokens, N new tokens each, greedy, no early stop.
   ttft_s      wall time until every sequence of the batch has its first token (prefill of the batch)
   tokens/s    B * N / (wall time of the whole generation)
@@ -26,9 +26,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models.config import preset  # noqa: E402
-from models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token  # noqa: E402
-from models.transformer import init  # noqa: E402
+from c2jax.models.config import preset  # noqa: E402
+from c2jax.models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token  # noqa: E402
+from c2jax.models.transformer import init  # noqa: E402
 
 
 def bench_engine(model, prompts, new_tokens, chunk_steps):
@@ -58,7 +58,7 @@ def bench_hf(model, prompts, new_tokens):
     import torch
     from transformers import DeepseekV3ForCausalLM
 
-    from models.hf import save_pretrained
+    from c2jax.models.hf import save_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)

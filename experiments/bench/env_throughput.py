@@ -8,7 +8,7 @@ Definitions (docs/sandbox.md):
 - sandboxes/s: acquire + exec("true") + close, back to back, over N worker threads.
 - tool calls: `ToolRegistry.execute` of each Cursor-like tool on a started sandbox over the synthetic
   200-file package (argument validation + the tool + output capping), as the episode loop calls it.
-- grading: `rl.tasks.grading.grade` of the reference solution of ladder `micro_bug` tasks (fresh sandbox,
+- grading: `c2jax.rl.tasks.grading.grade` of the reference solution of ladder `micro_bug` tasks (fresh sandbox,
   patch applied, hidden tests overlaid, pytest run and parsed), tasks graded per minute over N workers.
 
 Sections are functions in SECTIONS taking a `Bench` and returning a dict of results; add one by
@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.harness.registry import ToolCall, ToolContext
-from rl.harness.tools import default_registry
-from rl.sandbox import Limits, SandboxPool, find_bwrap
-from rl.tasks.grading import grade
-from rl.tasks.ladder import build_ladder
-from rl.tasks.task import load_task
+from c2jax.rl.harness.registry import ToolCall, ToolContext
+from c2jax.rl.harness.tools import default_registry
+from c2jax.rl.sandbox import Limits, SandboxPool, find_bwrap
+from c2jax.rl.tasks.grading import grade
+from c2jax.rl.tasks.ladder import build_ladder
+from c2jax.rl.tasks.task import load_task
 
 
 @dataclass

@@ -2,7 +2,7 @@
 (PyTorch eager), same shapes, same batch, same machine, one run, measured alternately.
 
 A step is forward + backward + AdamW on next-token cross-entropy. MFU is useful model FLOPs
-(models.flops.training_flops_per_token, no MTP: HF has none) over this machine's measured float32
+(c2jax.models.flops.training_flops_per_token, no MTP: HF has none) over this machine's measured float32
 matmul peak. Prints a table and writes JSON.
 
     python -m experiments.bench.model_throughput [--batch 8 --seq 512 --rounds 3 --out FILE]
@@ -23,9 +23,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.config import ModelConfig, preset
-from models.flops import training_flops_per_token
-from models.transformer import init
+from c2jax.models.config import ModelConfig, preset
+from c2jax.models.flops import training_flops_per_token
+from c2jax.models.transformer import init
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> float:

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import dispatch
-from kernels.fp8_deepseek import quantize_fp8_tiles
-from kernels.grouped_gemm import grouped_matmul
-from kernels.mxfp8 import quantize_mx
-from kernels.nvfp4 import quantize_nvfp4
-from kernels.permute import permute_quantize_mx
+from c2jax.kernels import dispatch
+from c2jax.kernels.fp8_deepseek import quantize_fp8_tiles
+from c2jax.kernels.grouped_gemm import grouped_matmul
+from c2jax.kernels.mxfp8 import quantize_mx
+from c2jax.kernels.nvfp4 import quantize_nvfp4
+from c2jax.kernels.permute import permute_quantize_mx
 
 PEAK_TFLOPS = {"H100": (989, 1979), "H200": (989, 1979), "B200": (2250, 4500)}  # (bf16, fp8) dense
 
@@ -94,7 +94,7 @@ def gpu_section(repeats):
             v["pct_peak_bf16"] = None if peak is None else 100 * v["tflops"] / peak[0]
     out["bf16"] = bf16
     # FP8: MXFP8-quantized operands through the block-scaled Pallas kernel (dequantize in registers)
-    from kernels.pallas_grouped import grouped_matmul_mx_pallas
+    from c2jax.kernels.pallas_grouped import grouped_matmul_mx_pallas
 
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)

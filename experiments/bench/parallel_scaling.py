@@ -33,8 +33,8 @@ from flax import nnx
 
 from c2jax.config import MeshConfig
 from c2jax.mesh import activation_rules, batch_shardings, jit_sharded, make_mesh, place_on_mesh, shard_state
-from models.config import preset
-from models.transformer import init
+from c2jax.models.config import preset
+from c2jax.models.transformer import init
 
 MESHES = {
     1: [dict()],

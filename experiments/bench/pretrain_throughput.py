@@ -3,7 +3,7 @@ beside the data pipeline alone, which must run at >= 10x the model's token rate.
 
     .venv/bin/python -m experiments.bench.pretrain_throughput [--preset small --steps 20 --seq 512 --batch 8]
 
-Prints a table and writes runs/bench/pretrain_throughput.json. MFU uses models.flops
+Prints a table and writes runs/bench/pretrain_throughput.json. MFU uses c2jax.models.flops
 training_flops_per_token over the device's datasheet bf16 peak, or on CPU the measured matmul peak.
 """
 
@@ -21,10 +21,10 @@ import jax
 from c2jax.config import from_dict, to_dict
 from c2jax.data.config import DataConfig
 from c2jax.data.pipeline import build_batches
+from c2jax.models.config import preset
 from c2jax.train.config import PretrainConfig
 from c2jax.train.loop import Trainer
 from c2jax.train.metrics import read_metrics
-from models.config import preset
 
 
 def data_tokens_per_s(data: DataConfig, seq: int, batch: int, batches: int) -> float:

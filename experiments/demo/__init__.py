@@ -4,8 +4,8 @@
 2. A small byte-level base model pretrained on this machine's standard-library docs, then continued
    pretraining on standard-library code (short context, then long context with YaRN), then SFT on tool-use
    transcripts that the scripted oracle agent produces on the fly on TRAIN ladder tasks.
-3. Asynchronous RL on the ladder's `answer` rung with rl.system (Ray: learner, rollout and environment workers).
-4. Evaluation before and after RL (avg@1, best-of-K) on HELD-OUT ladder tasks with rl.eval.
+3. Asynchronous RL on the ladder's `answer` rung with c2jax.rl.system (Ray: learner, rollout and environment workers).
+4. Evaluation before and after RL (avg@1, best-of-K) on HELD-OUT ladder tasks with c2jax.rl.eval.
 5. Hugging Face export of the final model, reloaded with transformers, logits compared.
 6. runs/demo/REPORT.md with plots, and TensorBoard logs of every run (`tensorboard --logdir runs/demo`).
 

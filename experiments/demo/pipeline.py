@@ -3,7 +3,7 @@
 info -> tokenizer + tool-use transcripts -> base pretraining -> continued pretraining (code short, code long
 with YaRN, SFT on transcripts) -> eval before RL -> asynchronous RL -> eval after RL -> HF export and
 transformers reload -> report. Side effects (files, Ray, printing) live here and in `main`; the pieces they
-call are the library's (c2jax.train, c2jax.data, rl.harness, rl.system, rl.eval, models.hf).
+call are the library's (c2jax.train, c2jax.data, c2jax.rl.harness, c2jax.rl.system, c2jax.rl.eval, c2jax.models.hf).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 # Every directory the demo writes under --out; only these are cleared when it starts again.
 OUTPUTS = ("info.txt", "tokenizer", "data", "base", "cpt", "rl", "eval", "hf", "plots", "REPORT.md",
            "demo.json", "results.json")
-BYTE_VOCAB = 264  # rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
+BYTE_VOCAB = 264  # c2jax.rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
 # The demo's system prompt: short instructions and one line per tool (`tool_schemas="signatures"`), ~0.6k byte
 # tokens instead of ~4.9k with the full JSON schemas, so SFT, RL and eval fit a 1k-token context on CPU.
 SYSTEM_INSTRUCTIONS = "You are a coding agent working in a repository at /workspace."
@@ -69,7 +69,7 @@ class DemoConfig:
     context: int = 1024  # system prompt (tool signatures) + task ~0.6k byte tokens, + max_new_tokens
     max_new_tokens: int = 120  # one write_file call for answer.txt is ~105-115 byte tokens + <|im_end|>
     temperature: float = 1.0
-    # asynchronous RL (rl.system) on the ladder rung `rung`
+    # asynchronous RL (c2jax.rl.system) on the ladder rung `rung`
     rl_steps: int = 16
     rl_tasks: int = 8
     group_size: int = 8
@@ -89,7 +89,7 @@ class DemoConfig:
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "seed" and v <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
-        from rl.tasks.ladder import RUNGS
+        from c2jax.rl.tasks.ladder import RUNGS
 
         if self.rung not in RUNGS:
             raise ValueError(f"--rung must be one of {', '.join(RUNGS)}, got {self.rung!r}")
@@ -113,7 +113,7 @@ class DemoConfig:
     def sandbox_kind(self) -> str:
         if self.sandbox != "auto":
             return self.sandbox
-        from rl.sandbox.bwrap import bwrap_unusable_reason
+        from c2jax.rl.sandbox.bwrap import bwrap_unusable_reason
 
         return "local" if bwrap_unusable_reason() else "bwrap"
 
@@ -156,7 +156,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def model_config(cfg: DemoConfig):
-    from models.config import preset
+    from c2jax.models.config import preset
 
     h = cfg.hidden
     return preset("tiny").replace(
@@ -168,14 +168,14 @@ def model_config(cfg: DemoConfig):
 
 
 def yarn(cfg: DemoConfig):
-    from models.config import RopeScaling
+    from c2jax.models.config import RopeScaling
 
     return RopeScaling(factor=cfg.max_position_embeddings / cfg.code_seq, original_max_position_embeddings=cfg.code_seq,
                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
 
 def episode_config(cfg: DemoConfig):
-    from rl.harness import EpisodeConfig
+    from c2jax.rl.harness import EpisodeConfig
 
     # one turn: the `echo` and `answer` rungs are solved by one write_file call; the episode then ends and is graded
     # one prompt for transcripts, SFT, RL and eval: short instructions and one line per tool
@@ -185,21 +185,21 @@ def episode_config(cfg: DemoConfig):
 
 
 def engine_config(cfg: DemoConfig):
-    from models.inference.engine import EngineConfig
+    from c2jax.models.inference.engine import EngineConfig
 
     # the same for the evaluator and the RL rollout workers, so the persistent compilation cache is shared
     return EngineConfig(slots=2, max_len=cfg.context, chunk_steps=8, key_bucket=512, min_prompt_bucket=16)
 
 
 def sandbox_factory(cfg: DemoConfig):
-    from rl.tasks.build import sandbox_factory as make
+    from c2jax.rl.tasks.build import sandbox_factory as make
 
     return make(cfg.sandbox_kind())
 
 
 def ladder(out: Path, seed: int, per_rung: int, rung: str):
-    from rl.tasks.ladder import build_ladder
-    from rl.tasks.task import load_task
+    from c2jax.rl.tasks.ladder import build_ladder
+    from c2jax.rl.tasks.task import load_task
 
     return [load_task(p) for p in build_ladder(out, seed=seed, per_rung=per_rung, rungs=(rung,))]
 
@@ -208,7 +208,7 @@ def ladder(out: Path, seed: int, per_rung: int, rung: str):
 def stage_info(cfg: DemoConfig, out: Path) -> dict:
     """`c2jax info` for the full Kimi K2.5 preset: parameters, FLOPs and memory from abstract shapes."""
     from c2jax.info import format_report, report
-    from models.config import preset
+    from c2jax.models.config import preset
 
     text = format_report("kimi-k2.5", report(preset("kimi-k2.5"), {"fsdp": 64, "expert": 8}, 32768))
     print(text)
@@ -219,9 +219,9 @@ def stage_info(cfg: DemoConfig, out: Path) -> dict:
 def stage_data(cfg: DemoConfig, out: Path) -> dict:
     """The byte tokenizer shared by pretraining and the harness, and the SFT transcripts of the scripted
     oracle on TRAIN ladder tasks (prompts that also occur in the held-out set are left out)."""
+    from c2jax.rl.harness import ChatRenderer
+    from c2jax.rl.system.envs import byte_tokenizer
     from experiments.demo.transcripts import write_transcripts
-    from rl.harness import ChatRenderer
-    from rl.system.envs import byte_tokenizer
 
     tok_dir = out / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
@@ -240,8 +240,8 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
 
     first = json.loads(jsonl.read_text().splitlines()[0])
     data_ids = load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["prompt"])
-    from rl.harness import default_registry
-    from rl.harness.chat_format import build_system_prompt
+    from c2jax.rl.harness import default_registry
+    from c2jax.rl.harness.chat_format import build_system_prompt
 
     task = next(t for t in kept if t.id == first["task_id"])
     ep = episode_config(cfg)
@@ -273,7 +273,7 @@ def data_tokenizer(harness_tokenizer):
     tags as bytes, as the system prompt shows them (the parser reads the decoded text either way)."""
     from tokenizers import Tokenizer
 
-    from rl.harness.chat_format import IM_END, IM_START
+    from c2jax.rl.harness.chat_format import IM_END, IM_START
 
     spec = json.loads(harness_tokenizer.to_str())
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in (IM_START, IM_END)]
@@ -392,18 +392,18 @@ def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
 
 
 def load_hf_model(path: str | Path):
-    from models import hf
+    from c2jax.models import hf
 
     return hf.from_pretrained(path, mtp="drop", moe_impl="dense")
 
 
 def agent_factory(cfg: DemoConfig, model, label: str, version: int):
-    """One InferenceEngine on `model`, shared by the episodes behind a lock (rl.eval.agents.LockedPolicy),
+    """One InferenceEngine on `model`, shared by the episodes behind a lock (c2jax.rl.eval.agents.LockedPolicy),
     sampled through the harness's SamplerAgent with the byte tokenizer's chat renderer."""
-    from models.inference import InferenceEngine
-    from rl.eval.agents import LockedPolicy
-    from rl.harness import ChatRenderer, SamplerAgent
-    from rl.system.envs import byte_tokenizer
+    from c2jax.models.inference import InferenceEngine
+    from c2jax.rl.eval.agents import LockedPolicy
+    from c2jax.rl.harness import ChatRenderer, SamplerAgent
+    from c2jax.rl.system.envs import byte_tokenizer
 
     tok = byte_tokenizer()
     engine = InferenceEngine.from_model(model, config=engine_config(cfg), version=version,
@@ -415,7 +415,7 @@ def agent_factory(cfg: DemoConfig, model, label: str, version: int):
 def tool_use_stats(eval_dir: Path) -> dict[str, float]:
     """From the stored trajectories: how often the policy opened a <tool_call> block at all (parseable or
     not), wrote a parseable tool call, a call that ran without error, and a call that wrote answer.txt."""
-    from rl.harness import read_trajectories
+    from c2jax.rl.harness import read_trajectories
 
     trajs = read_trajectories(eval_dir / "trajectories.jsonl")
     attempted = parsed = ran = wrote = 0
@@ -486,9 +486,9 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
 
 
 def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict:
-    """avg@1 and best-of-K on HELD-OUT ladder tasks (seed + 1000, as the RL system's held-out set) with rl.eval."""
+    """avg@1 and best-of-K on HELD-OUT ladder tasks (seed + 1000, as the RL system's held-out set), c2jax.rl.eval."""
     from c2jax.config import dump_yaml
-    from rl.eval import EvalConfig, evaluate
+    from c2jax.rl.eval import EvalConfig, evaluate
 
     tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
     ecfg = EvalConfig(samples=cfg.eval_k, ks=(1, cfg.eval_k), concurrency=1, sandbox=cfg.sandbox_kind(),
@@ -528,10 +528,10 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
 
 
 def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
-    from rl.config import LossConfig as RLLossConfig
-    from rl.config import RLConfig
-    from rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
-    from rl.system.config import EvalConfig as OnlineEval
+    from c2jax.rl.config import LossConfig as RLLossConfig
+    from c2jax.rl.config import RLConfig
+    from c2jax.rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
+    from c2jax.rl.system.config import EvalConfig as OnlineEval
 
     return RLSystemConfig(
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
@@ -550,10 +550,10 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
 
 
 def stage_rl(cfg: DemoConfig, out: Path, init_hf: str, model_cfg) -> dict:
-    """Asynchronous RL with rl.system (`run_system`): Ray actors for the learner, rollout workers and an
+    """Asynchronous RL with c2jax.rl.system (`run_system`): Ray actors for the learner, rollout workers and an
     environment worker; the learner starts from the CPT+SFT model's HF export (`init_from`) and the rollout
     workers receive those weights with the version-0 packet."""
-    from rl.system.reconciler import run_system
+    from c2jax.rl.system.reconciler import run_system
 
     rcfg = rl_config(cfg, out, model_cfg, init_hf)
     summary = run_system(rcfg)
@@ -570,7 +570,7 @@ def final_rl_model(rcfg):
     """The learner's newest Orbax checkpoint as a model (restored in this process, outside Ray)."""
     from flax import nnx
 
-    from rl.system.backends import RLLearner
+    from c2jax.rl.system.backends import RLLearner
 
     learner = RLLearner(rcfg, rcfg.run_dir)
     try:
@@ -584,7 +584,7 @@ def final_rl_model(rcfg):
 
 
 def _init(model_cfg):
-    from models.transformer import init
+    from c2jax.models.transformer import init
 
     return init(model_cfg, seed=0)
 
@@ -596,7 +596,7 @@ def stage_hf(cfg: DemoConfig, out: Path, model, probe_ids: list[int]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models import hf
+    from c2jax.models import hf
 
     path = out / "hf"
     hf.save_pretrained(model, path)

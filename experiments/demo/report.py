@@ -106,7 +106,7 @@ def _fmt(x: Any) -> str:
 def _sandbox_note(cfg) -> str:
     if cfg.sandbox != "auto" or cfg.sandbox_kind() != "local":
         return ""
-    from rl.sandbox.bwrap import bwrap_unusable_reason
+    from c2jax.rl.sandbox.bwrap import bwrap_unusable_reason
 
     return f" (no isolation: {bwrap_unusable_reason()})"
 
@@ -183,7 +183,7 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     L.append("The SFT loss is on completion tokens only (the tool call); the long phase uses YaRN "
              f"(factor {cfg.max_position_embeddings / cfg.code_seq:g} over {cfg.code_seq}).\n")
     L.append("![pretraining loss](plots/pretraining_loss.png)\n")
-    L.append("## 3. Asynchronous RL (rl.system)\n")
+    L.append("## 3. Asynchronous RL (c2jax.rl.system)\n")
     L.append(f"Started from the CPT+SFT model (`init_from: {rl['init_from']}`): the learner loads it, the rollout "
              "workers get it with the version-0 weight packet.\n")
     rewards = [h["reward/mean"] for h in hist]

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rl.eval.agents import oracle_turns
-from rl.harness import EpisodeConfig, EpisodeTask, ScriptedAgent, default_registry, run_episode
-from rl.harness.chat_format import message_body, render_messages_text
-from rl.tasks.grading import grade
-from rl.tasks.patches import split_patch
-from rl.tasks.task import Task
+from c2jax.rl.eval.agents import oracle_turns
+from c2jax.rl.harness import EpisodeConfig, EpisodeTask, ScriptedAgent, default_registry, run_episode
+from c2jax.rl.harness.chat_format import message_body, render_messages_text
+from c2jax.rl.tasks.grading import grade
+from c2jax.rl.tasks.patches import split_patch
+from c2jax.rl.tasks.task import Task
 
 
 def added_files(patch: str) -> dict[str, str] | None:
@@ -45,7 +45,7 @@ def added_files(patch: str) -> dict[str, str] | None:
 
 def direct_oracle_turns(task: Task) -> list[list[dict]]:
     """The shortest correct tool use for the task: one turn writing the reference's new files directly
-    (`write_file`), or, for tasks that edit existing files, rl.eval's patch-applying oracle."""
+    (`write_file`), or, for tasks that edit existing files, c2jax.rl.eval's patch-applying oracle."""
     files = added_files(task.solution_patch or "")
     if files is None:
         return oracle_turns(task)

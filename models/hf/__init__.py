@@ -11,11 +11,11 @@
   errors.py          `CheckpointError`
 """
 
-from models.hf.config import config_from_hf, config_to_hf
-from models.hf.errors import CheckpointError
-from models.hf.fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_block, quantize_fp8_block
-from models.hf.load import from_pretrained
-from models.hf.save import save_pretrained
+from c2jax.models.hf.config import config_from_hf, config_to_hf
+from c2jax.models.hf.errors import CheckpointError
+from c2jax.models.hf.fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_block, quantize_fp8_block
+from c2jax.models.hf.load import from_pretrained
+from c2jax.models.hf.save import save_pretrained
 
 __all__ = [
     "FP8_BLOCK",

@@ -12,9 +12,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from models.hf.errors import CheckpointError
-from models.hf.fp8 import FP8_BLOCK, dequantize_fp8_block
-from models.hf.safetensors_io import _SafetensorsFile
+from c2jax.models.hf.errors import CheckpointError
+from c2jax.models.hf.fp8 import FP8_BLOCK, dequantize_fp8_block
+from c2jax.models.hf.safetensors_io import _SafetensorsFile
 
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _SKIP_PREFIXES = (

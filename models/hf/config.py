@@ -16,8 +16,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from models.config import ConfigError, ModelConfig, RopeScaling
-from models.hf.fp8 import FP8_BLOCK
+from c2jax.models.config import ConfigError, ModelConfig, RopeScaling
+from c2jax.models.hf.fp8 import FP8_BLOCK
 
 # transformers' DeepseekV3Config defaults: the meaning of a field that a config.json leaves out.
 _HF_DEFAULTS: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Errors of the Hugging Face interop (config errors are `models.config.ConfigError`)."""
+"""Errors of the Hugging Face interop (config errors are `c2jax.models.config.ConfigError`)."""
 
 
 class CheckpointError(ValueError):

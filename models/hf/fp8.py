@@ -7,7 +7,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from models.hf.errors import CheckpointError
+from c2jax.models.hf.errors import CheckpointError
 
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

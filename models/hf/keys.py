@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from models.config import ModelConfig
-from models.hf.checkpoint import _Checkpoint
+from c2jax.models.config import ModelConfig
+from c2jax.models.hf.checkpoint import _Checkpoint
 
 
 def _layer_entry(rel: tuple[str, ...], moe: bool) -> tuple[str, Any]:

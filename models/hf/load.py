@@ -1,6 +1,6 @@
 """from_pretrained.
 
-Besides the layout `save_pretrained` writes (see `models.hf.keys`), `from_pretrained` accepts HF's in-memory
+Besides the layout `save_pretrained` writes (see `c2jax.models.hf.keys`), `from_pretrained` accepts HF's in-memory
 fused expert layout (`mlp.experts.gate_up_proj` [E, 2I, d], `mlp.experts.down_proj` [E, d, I]), sharded
 checkpoints (`model.safetensors.index.json`), the `kimi_k25` multimodal wrapper (`language_model.` prefixes;
 vision tensors are skipped) and DeepSeek's FP8 release format (float8_e4m3fn weights with float32
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.hf.checkpoint import _Checkpoint
-from models.hf.config import _text_config, config_from_hf
-from models.hf.errors import CheckpointError
-from models.hf.keys import _entry, _load_slice
-from models.transformer import Transformer
+from c2jax.models.hf.checkpoint import _Checkpoint
+from c2jax.models.hf.config import _text_config, config_from_hf
+from c2jax.models.hf.errors import CheckpointError
+from c2jax.models.hf.keys import _entry, _load_slice
+from c2jax.models.transformer import Transformer
 
 
 def _set_nested(tree: dict, path: tuple, value) -> None:

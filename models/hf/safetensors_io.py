@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from models.hf.errors import CheckpointError
+from c2jax.models.hf.errors import CheckpointError
 
 _ST_DTYPES = {
     "F64": np.dtype(np.float64),

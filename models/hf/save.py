@@ -1,4 +1,4 @@
-"""save_pretrained: config.json + safetensors in DeepSeek's on-disk layout (see `models.hf.keys`), optionally
+"""save_pretrained: config.json + safetensors in DeepSeek's on-disk layout (see `c2jax.models.hf.keys`), optionally
 in DeepSeek's FP8 release format; the MTP layers carry copies of the embedding and head, as DeepSeek-format
 consumers (vLLM, SGLang) expect."""
 
@@ -16,12 +16,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
-from models.hf.config import config_to_hf
-from models.hf.fp8 import FP8_BLOCK, quantize_fp8_block
-from models.hf.keys import _entry, _save_slice
-from models.hf.safetensors_io import _write_safetensors
-from models.transformer import Transformer
+from c2jax.models.config import ModelConfig
+from c2jax.models.hf.config import config_to_hf
+from c2jax.models.hf.fp8 import FP8_BLOCK, quantize_fp8_block
+from c2jax.models.hf.keys import _entry, _save_slice
+from c2jax.models.hf.safetensors_io import _write_safetensors
+from c2jax.models.transformer import Transformer
 
 _FLOAT_DTYPES = (
     np.dtype(np.float64),
@@ -59,7 +59,7 @@ def save_pretrained(
     dtype: str | None = None,
     quantization: str | None = None,
 ) -> None:
-    """Write config.json + safetensors in DeepSeek's on-disk layout (see `models.hf.keys`).
+    """Write config.json + safetensors in DeepSeek's on-disk layout (see `c2jax.models.hf.keys`).
 
     dtype: cast floating tensors (e.g. "bfloat16"); the router correction bias stays float32.
     quantization: None, or "fp8" for DeepSeek's release format (e4m3 weights + 128x128 `weight_scale_inv`);

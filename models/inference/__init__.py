@@ -3,15 +3,15 @@
 See docs/inference.md. The jitted math is in `forward`, `sampling` and `steps`; `engine` schedules it.
 """
 
-from models.inference.engine import (
+from c2jax.models.inference.engine import (
     ContextWindowExceeded,
     EngineConfig,
     GenerationResult,
     InferenceEngine,
     Request,
 )
-from models.inference.forward import LayerCache, cache_bytes_per_token, extend, init_cache
-from models.inference.sampling import Sample, SamplingParams, sample
+from c2jax.models.inference.forward import LayerCache, cache_bytes_per_token, extend, init_cache
+from c2jax.models.inference.sampling import Sample, SamplingParams, sample
 
 __all__ = [
     "ContextWindowExceeded", "EngineConfig", "GenerationResult", "InferenceEngine", "LayerCache", "Request",

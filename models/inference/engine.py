@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
-from models.inference.forward import init_cache
-from models.inference.sampling import SamplingParams
-from models.inference.steps import SlotState, copy_row, decode_chunk, prefill_slot
+from c2jax.models.config import ModelConfig
+from c2jax.models.inference.forward import init_cache
+from c2jax.models.inference.sampling import SamplingParams
+from c2jax.models.inference.steps import SlotState, copy_row, decode_chunk, prefill_slot
 
 
 class ContextWindowExceeded(ValueError):
@@ -58,7 +58,7 @@ class Request:
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    logprobs: list[float]  # log softmax(logits / T) of each sampled token (see models.inference.sampling)
+    logprobs: list[float]  # log softmax(logits / T) of each sampled token (see c2jax.models.inference.sampling)
     policy_versions: list[int]  # weight version that produced each token
     expert_ids: np.ndarray | None  # [n, L_moe, k]: experts of the forward pass that produced token j
     finish_reason: str  # "stop" | "length"

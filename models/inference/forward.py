@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.rope import apply_rope, rope_tables
+from c2jax.models.config import ModelConfig
+from c2jax.models.rope import apply_rope, rope_tables
 
-_NEG_INF = -1e30  # same finite mask value as models.attention
+_NEG_INF = -1e30  # same finite mask value as c2jax.models.attention
 
 
 class LayerCache(NamedTuple):

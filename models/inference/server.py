@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from models.inference.engine import ContextWindowExceeded, InferenceEngine, Request
+from c2jax.models.inference.engine import ContextWindowExceeded, InferenceEngine, Request
 
 
 @dataclass(frozen=True)

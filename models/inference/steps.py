@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.inference.forward import LayerCache, extend, prepare
-from models.inference.sampling import SamplingParams, sample
+from c2jax.models.config import ModelConfig
+from c2jax.models.inference.forward import LayerCache, extend, prepare
+from c2jax.models.inference.sampling import SamplingParams, sample
 
 
 class PrefillOutput(NamedTuple):

@@ -4,7 +4,7 @@
                     submit; an eager-editing question is answered with its reference answer): it must
                     score 100% on a valid suite, which makes it the suite's end-to-end check.
   scripted noop     submits without doing anything: must score 0% (the base repository fails).
-  openai URL        `rl.harness.OpenAIAgent` against any OpenAI-compatible endpoint.
+  openai URL        `c2jax.rl.harness.OpenAIAgent` against any OpenAI-compatible endpoint.
   checkpoint PATH   a c2jax pretraining run directory (config.yaml + checkpoints/), served by one
                     `InferenceEngine` behind a lock and sampled through `SamplerAgent`.
 """
@@ -16,9 +16,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from rl.eval.config import AgentConfig
-from rl.harness.agents import Agent, ScriptedAgent
-from rl.tasks.task import Task
+from c2jax.rl.eval.config import AgentConfig
+from c2jax.rl.harness.agents import Agent, ScriptedAgent
+from c2jax.rl.tasks.task import Task
 
 AgentFactory = Callable[[Task, int], Agent]
 _REF = ".c2jax-reference.patch"
@@ -54,7 +54,7 @@ def scripted_factory(mode: str = "oracle") -> AgentFactory:
 
 
 def openai_factory(cfg: AgentConfig) -> AgentFactory:
-    from rl.harness.openai_agent import OpenAIAgent
+    from c2jax.rl.harness.openai_agent import OpenAIAgent
 
     if not cfg.target.startswith(("http://", "https://")):
         raise ValueError(f"openai agent: {cfg.target!r} is not an http(s) base URL (e.g. http://localhost:8000/v1)")
@@ -65,7 +65,7 @@ def openai_factory(cfg: AgentConfig) -> AgentFactory:
 
 class LockedPolicy:
     """A `TokenPolicy` shared by concurrent episodes: the engine is single-threaded, so calls take turns.
-    (Continuous batching across episodes would go through models.inference.server.EngineWorker.)"""
+    (Continuous batching across episodes would go through c2jax.models.inference.server.EngineWorker.)"""
 
     def __init__(self, engine):
         self.engine = engine
@@ -85,13 +85,13 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
 
     from c2jax.config import from_dict, load_yaml
     from c2jax.data.tokenizer import load_tokenizer
+    from c2jax.models.inference import EngineConfig, InferenceEngine
+    from c2jax.models.transformer import init
     from c2jax.train.checkpoint import Checkpointer
     from c2jax.train.config import PretrainConfig
     from c2jax.train.loop import phase_model_config
     from c2jax.train.optim import make_optimizer
     from c2jax.train.step import init_train_state
-    from models.inference import EngineConfig, InferenceEngine
-    from models.transformer import init
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "checkpoints").is_dir():
@@ -122,7 +122,7 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
 
 
 def checkpoint_factory(cfg: AgentConfig) -> AgentFactory:
-    from rl.harness import ChatRenderer, SamplerAgent, add_chat_special_tokens
+    from c2jax.rl.harness import ChatRenderer, SamplerAgent, add_chat_special_tokens
 
     engine, data_tokenizer, step = load_checkpoint_engine(cfg.target, step=cfg.step)
     # the chat renderer works on a Hugging Face `tokenizers.Tokenizer` (token-in/token-out with special

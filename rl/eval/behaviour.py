@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rl.harness.episode import EpisodeConfig
-from rl.tasks.patches import make_patch, patch_size, split_patch
-from rl.tasks.task import Task, write_task
+from c2jax.rl.harness.episode import EpisodeConfig
+from c2jax.rl.tasks.patches import make_patch, patch_size, split_patch
+from c2jax.rl.tasks.task import Task, write_task
 
 BEHAVIOURS = ("eager_editing", "instruction_following", "ambiguity")
 
@@ -189,7 +189,7 @@ def _ambiguity_tasks() -> list[dict]:
 
 
 def build_behaviour_suite(out_dir: str | Path, *, behaviours: tuple[str, ...] = BEHAVIOURS) -> list[Path]:
-    """Writes the behaviour tasks under `out_dir`; graded by `rl.eval.runner` through `metadata.behaviour`."""
+    """Writes the behaviour tasks under `out_dir`; graded by `c2jax.rl.eval.runner` through `metadata.behaviour`."""
     unknown = set(behaviours) - set(BEHAVIOURS)
     if unknown:
         raise ValueError(f"unknown behaviours {sorted(unknown)}; expected a subset of {BEHAVIOURS}")

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _config(args):
     from c2jax.config import apply_overrides, from_dict, load_yaml
-    from rl.eval.config import EvalConfig
+    from c2jax.rl.eval.config import EvalConfig
 
     data = apply_overrides(load_yaml(args.config) if args.config else {}, args.overrides)
     for key, value in (("suite", args.suite), ("repos", args.repos), ("out", args.out), ("samples", args.samples),
@@ -71,8 +71,8 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from rl.eval import report, suite
-    from rl.tasks.task import TaskFormatError
+    from c2jax.rl.eval import report, suite
+    from c2jax.rl.tasks.task import TaskFormatError
 
     console = Console()
     try:
@@ -104,9 +104,9 @@ def run(args) -> int:
 def _run_eval(cfg, args, console) -> int:
     from pathlib import Path
 
-    from rl.eval import report, suite
-    from rl.eval.agents import make_factory
-    from rl.eval.runner import evaluate
+    from c2jax.rl.eval import report, suite
+    from c2jax.rl.eval.agents import make_factory
+    from c2jax.rl.eval.runner import evaluate
 
     if not cfg.suite:
         raise ValueError("--suite is required")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from c2jax.config import ConfigError, apply_overrides, from_dict, load_yaml
-from rl.harness.episode import EpisodeConfig
+from c2jax.rl.harness.episode import EpisodeConfig
 
 AGENT_KINDS = ("scripted", "openai", "checkpoint")
 SCRIPTED_MODES = ("oracle", "noop")

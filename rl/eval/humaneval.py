@@ -13,8 +13,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from rl.tasks.patches import make_patch, patch_size
-from rl.tasks.task import Task, write_task
+from c2jax.rl.tasks.patches import make_patch, patch_size
+from c2jax.rl.tasks.task import Task, write_task
 
 _TEST = '''{test}
 

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rl.eval.runner import EvalResults
-from rl.eval.store import SampleResult
-from rl.eval.summary import by_task
+from c2jax.rl.eval.runner import EvalResults
+from c2jax.rl.eval.store import SampleResult
+from c2jax.rl.eval.summary import by_task
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -70,8 +70,8 @@ def selected_sample(rs: list[SampleResult]) -> SampleResult:
 def write_swebench_files(out_dir: str | Path, results: EvalResults, model: str) -> tuple[Path, Path]:
     """predictions.jsonl (SWE-bench's {instance_id, model_name_or_path, model_patch}, the selected sample
     per instance) and swebench_report.json (SWE-bench's run report over those predictions)."""
-    from rl.tasks.grading import GradeResult
-    from rl.tasks.swebench import write_predictions, write_report
+    from c2jax.rl.tasks.grading import GradeResult
+    from c2jax.rl.tasks.swebench import write_predictions, write_report
 
     out_dir = Path(out_dir)
     chosen = {tid: selected_sample(rs) for tid, rs in by_task(results.results).items()}

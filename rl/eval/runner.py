@@ -8,9 +8,9 @@ the worker itself before it reports back, so an interrupt or a crash never loses
 a rerun with the same `out_dir` only runs the pairs that are missing. Without `out_dir` nothing touches
 the disk (online evaluation from the RL loop).
 
-Per job: run the episode (rl.harness.run_episode) with the agent `agent_factory(task, sample)`; score
+Per job: run the episode (c2jax.rl.harness.run_episode) with the agent `agent_factory(task, sample)`; score
 the final state for the best-of-K selector while the episode sandbox is still open; take the diff;
-grade it with rl.tasks.grade in a fresh sandbox (or with the behaviour grader, rl/eval/behaviour.py).
+grade it with c2jax.rl.tasks.grade in a fresh sandbox (or with the behaviour grader, rl/eval/behaviour.py).
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl.eval.agents import AgentFactory
-from rl.eval.behaviour import check_rules, episode_config_for, grade_eager_editing
-from rl.eval.config import EvalConfig
-from rl.eval.store import ResultStore, SampleResult, check_run_manifest
-from rl.eval.suite import fingerprint
-from rl.harness.episode import EpisodeTask, run_episode
-from rl.harness.tools import default_registry
-from rl.harness.trajectory import Trajectory, TrajectoryWriter
-from rl.sandbox.base import Sandbox
-from rl.tasks.build import sandbox_factory as make_sandbox_factory
-from rl.tasks.grading import SandboxFactory, grade
-from rl.tasks.task import Task
+from c2jax.rl.eval.agents import AgentFactory
+from c2jax.rl.eval.behaviour import check_rules, episode_config_for, grade_eager_editing
+from c2jax.rl.eval.config import EvalConfig
+from c2jax.rl.eval.store import ResultStore, SampleResult, check_run_manifest
+from c2jax.rl.eval.suite import fingerprint
+from c2jax.rl.harness.episode import EpisodeTask, run_episode
+from c2jax.rl.harness.tools import default_registry
+from c2jax.rl.harness.trajectory import Trajectory, TrajectoryWriter
+from c2jax.rl.sandbox.base import Sandbox
+from c2jax.rl.tasks.build import sandbox_factory as make_sandbox_factory
+from c2jax.rl.tasks.grading import SandboxFactory, grade
+from c2jax.rl.tasks.task import Task
 
 # Scorer for best-of-K: (task, trajectory, episode sandbox) -> float, higher is better.
 Scorer = Callable[[Task, Trajectory, Sandbox], float]
@@ -57,7 +57,7 @@ class EvalResults:
     step: int | None = None  # training step of the evaluated policy, for plots over training
 
     def summary(self, cfg: EvalConfig | None = None) -> dict[str, Any]:
-        from rl.eval.summary import summarize
+        from c2jax.rl.eval.summary import summarize
 
         cfg = cfg or EvalConfig()
         return summarize(self.results, ks=cfg.ks, pricing=cfg.pricing, n_boot=cfg.bootstrap_samples,

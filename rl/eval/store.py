@@ -25,7 +25,7 @@ class SampleResult:
     sample: int
     category: str
     resolved: bool
-    status: str  # the grader's status (rl.tasks.grading.STATUSES) or a behaviour grader's
+    status: str  # the grader's status (c2jax.rl.tasks.grading.STATUSES) or a behaviour grader's
     reward: float = 0.0
     finish_reason: str = ""  # the episode's
     error: str | None = None  # agent / sandbox failure text, if the episode or grade crashed

@@ -3,7 +3,7 @@
 A suite is one of: a directory of task directories (ours from `c2jax tasks build`, Harbor, or
 Terminal-Bench 1), a SWE-bench instances file (`.json` / `.jsonl`) with a directory holding each
 instance's repository, `humaneval[:N]` (rl/eval/humaneval.py), or `behaviour` (rl/eval/behaviour.py).
-All become `rl.tasks.Task`s and go through the same runner and graders.
+All become `c2jax.rl.tasks.Task`s and go through the same runner and graders.
 
 c2bench is the eval split of a suite built by `c2jax tasks build` (every library carries one split, so
 eval tasks never share a repository with training tasks). Its manifest, `c2bench.json`, pins each task
@@ -19,8 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rl.tasks.build import check_splits_disjoint
-from rl.tasks.task import Task, TaskFormatError, load_tasks
+from c2jax.rl.tasks.build import check_splits_disjoint
+from c2jax.rl.tasks.task import Task, TaskFormatError, load_tasks
 
 MANIFEST = "c2bench.json"
 _SKIP = {"__pycache__", ".pytest_cache", ".git"}
@@ -77,13 +77,13 @@ def load_suite(spec: str, *, repos: str = "", cache_dir: str | Path | None = Non
     if spec == "behaviour":
         import shutil
 
-        from rl.eval.behaviour import build_behaviour_suite
+        from c2jax.rl.eval.behaviour import build_behaviour_suite
 
         shutil.rmtree(cache / "behaviour", ignore_errors=True)
         build_behaviour_suite(cache / "behaviour")
         return load_tasks(cache / "behaviour")
     if spec == "humaneval" or spec.startswith("humaneval:"):
-        from rl.eval.humaneval import build_humaneval
+        from c2jax.rl.eval.humaneval import build_humaneval
 
         limit = None
         if ":" in spec:
@@ -109,7 +109,7 @@ def load_suite(spec: str, *, repos: str = "", cache_dir: str | Path | None = Non
 
 
 def _swebench_tasks(path: Path, repos: str) -> list[Task]:
-    from rl.tasks.swebench import instance_to_task, load_instances
+    from c2jax.rl.tasks.swebench import instance_to_task, load_instances
 
     if not repos:
         raise SuiteError(f"{path}: SWE-bench instances need --repos DIR holding one repository per "
@@ -154,7 +154,7 @@ def suite_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The report's task-size statistics (§7, Fig. 7) for manifest rows: median prompt length (the
     instruction, and the terse level where tasks have one) and median lines / files changed by the
     reference."""
-    from rl.eval.metrics import median
+    from c2jax.rl.eval.metrics import median
 
     if not rows:
         raise SuiteError("no tasks to compute statistics over")

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from rl.eval.config import PricingConfig
-from rl.eval.metrics import best_of_k, bootstrap_ci, cost_usd, median, pass_at_k, pass_hat_k
-from rl.eval.store import SampleResult
+from c2jax.rl.eval.config import PricingConfig
+from c2jax.rl.eval.metrics import best_of_k, bootstrap_ci, cost_usd, median, pass_at_k, pass_hat_k
+from c2jax.rl.eval.store import SampleResult
 
 
 def by_task(results: Sequence[SampleResult]) -> dict[str, list[SampleResult]]:

@@ -3,7 +3,7 @@
 See docs/harness.md.
 """
 
-from rl.harness.agents import (
+from c2jax.rl.harness.agents import (
     Agent,
     AgentContext,
     AgentTurn,
@@ -13,13 +13,13 @@ from rl.harness.agents import (
     ScriptedTurn,
     TokenPolicy,
 )
-from rl.harness.chat_format import add_chat_special_tokens, build_system_prompt, parse_assistant_text
-from rl.harness.episode import EpisodeConfig, EpisodeTask, run_episode
-from rl.harness.openai_agent import OpenAIAgent
-from rl.harness.registry import Tool, ToolCall, ToolContext, ToolError, ToolRegistry, ToolResult
-from rl.harness.renderer import ChatRenderer, TokenTranscript
-from rl.harness.tools import default_registry
-from rl.harness.trajectory import Trajectory, TrajectoryWriter, read_trajectories
+from c2jax.rl.harness.chat_format import add_chat_special_tokens, build_system_prompt, parse_assistant_text
+from c2jax.rl.harness.episode import EpisodeConfig, EpisodeTask, run_episode
+from c2jax.rl.harness.openai_agent import OpenAIAgent
+from c2jax.rl.harness.registry import Tool, ToolCall, ToolContext, ToolError, ToolRegistry, ToolResult
+from c2jax.rl.harness.renderer import ChatRenderer, TokenTranscript
+from c2jax.rl.harness.tools import default_registry
+from c2jax.rl.harness.trajectory import Trajectory, TrajectoryWriter, read_trajectories
 
 __all__ = [
     "Agent", "AgentContext", "AgentTurn", "ChatRenderer", "EpisodeConfig", "EpisodeTask", "GenerateResult",

@@ -14,9 +14,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from rl.harness.chat_format import parse_assistant_text
-from rl.harness.registry import ToolCall, ToolRegistry
-from rl.harness.renderer import ChatRenderer, TokenTranscript
+from c2jax.rl.harness.chat_format import parse_assistant_text
+from c2jax.rl.harness.registry import ToolCall, ToolRegistry
+from c2jax.rl.harness.renderer import ChatRenderer, TokenTranscript
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tokenizers import AddedToken, Tokenizer
 
-from rl.harness.registry import ToolCall, ToolRegistry
+from c2jax.rl.harness.registry import ToolCall, ToolRegistry
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

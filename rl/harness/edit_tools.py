@@ -10,8 +10,8 @@ import tomllib
 
 import yaml
 
-from rl.harness.fs_tools import workspace_rel
-from rl.harness.registry import Tool, ToolContext, ToolError
+from c2jax.rl.harness.fs_tools import workspace_rel
+from c2jax.rl.harness.registry import Tool, ToolContext, ToolError
 
 DIFF_SNIPPET_LINES = 60
 

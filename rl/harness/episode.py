@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from rl.harness.agents import Agent, AgentContext, AgentTurn
-from rl.harness.chat_format import DEFAULT_SYSTEM, build_system_prompt
-from rl.harness.registry import ToolCall, ToolContext, ToolRegistry
-from rl.harness.renderer import TokenTranscript
-from rl.harness.replay import ReplayRecorder
-from rl.harness.trajectory import Observation, Segment, Step, Trajectory, TrajectoryWriter
-from rl.sandbox.base import Sandbox
+from c2jax.rl.harness.agents import Agent, AgentContext, AgentTurn
+from c2jax.rl.harness.chat_format import DEFAULT_SYSTEM, build_system_prompt
+from c2jax.rl.harness.registry import ToolCall, ToolContext, ToolRegistry
+from c2jax.rl.harness.renderer import TokenTranscript
+from c2jax.rl.harness.replay import ReplayRecorder
+from c2jax.rl.harness.trajectory import Observation, Segment, Step, Trajectory, TrajectoryWriter
+from c2jax.rl.sandbox.base import Sandbox
 
 SUMMARY_PROMPT = (
     "Your context is nearly full. Summarize the conversation so far so that you can continue the task "

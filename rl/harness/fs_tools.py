@@ -13,9 +13,9 @@ import posixpath
 import re
 from pathlib import Path
 
-from rl.harness.registry import Tool, ToolContext, ToolError
-from rl.sandbox.base import WORKSPACE, SandboxPathError
-from rl.sandbox.hostfs import normalize
+from c2jax.rl.harness.registry import Tool, ToolContext, ToolError
+from c2jax.rl.sandbox.base import WORKSPACE, SandboxPathError
+from c2jax.rl.sandbox.hostfs import normalize
 
 MAX_LINE_CHARS = 2000  # read_file cuts longer lines (minified files would flood the context)
 SKIP_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", "node_modules", ".venv"}

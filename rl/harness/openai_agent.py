@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from rl.harness.agents import AgentContext, AgentTurn
-from rl.harness.registry import ToolCall
+from c2jax.rl.harness.agents import AgentContext, AgentTurn
+from c2jax.rl.harness.registry import ToolCall
 
 
 def _api_messages(messages: list[dict]) -> list[dict]:

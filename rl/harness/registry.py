@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema
 
-from rl.sandbox.base import Sandbox, SandboxPathError
+from c2jax.rl.sandbox.base import Sandbox, SandboxPathError
 
 
 class ToolError(Exception):

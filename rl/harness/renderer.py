@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from rl.harness.chat_format import (
+from c2jax.rl.harness.chat_format import (
     CHAT_SPECIAL_TOKENS,
     IM_END,
     IM_START,
@@ -70,7 +70,7 @@ class ChatRenderer:
         missing = [t for t, i in ids.items() if i is None]
         if missing:
             raise ValueError(f"tokenizer lacks the chat special tokens {missing}; call "
-                             "rl.harness.add_chat_special_tokens(tokenizer) first")
+                             "c2jax.rl.harness.add_chat_special_tokens(tokenizer) first")
         self.special_ids = ids
         self.im_start_id, self.im_end_id = ids[IM_START], ids[IM_END]
         self._env_tokenizer = Tokenizer.from_str(tokenizer.to_str())

@@ -15,7 +15,7 @@ the next turn's prefill, which records it together with the environment tokens (
 headers) appended in between. Tokens after the last turn (the final sampled token, a trailing
 `<|im_end|>\\n` or tool output) never went through the sampler: they are `UNSEEN` (-1) in the record.
 They come after every sampled token, so nothing the learner trains on attends to them: the system cuts
-the environment tail off learner sequences (rl.system.groups.batch_sequences), and `learner_replay_ids`
+the environment tail off learner sequences (c2jax.rl.system.groups.batch_sequences), and `learner_replay_ids`
 gives the one position left, the final sampled token as an input (its output predicts nothing), the last
 recorded row, so the learner has valid expert ids everywhere. That position is the only one where the
 learner's `replay/override_fraction` can count a replayed expert the sampler did not choose.

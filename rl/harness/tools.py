@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rl.harness.edit_tools import EDIT_TOOLS
-from rl.harness.fs_tools import FS_TOOLS
-from rl.harness.registry import ToolRegistry
+from c2jax.rl.harness.edit_tools import EDIT_TOOLS
+from c2jax.rl.harness.fs_tools import FS_TOOLS
+from c2jax.rl.harness.registry import ToolRegistry
 
 
 def default_registry() -> ToolRegistry:

@@ -72,7 +72,7 @@ class Segment:
     num_prompt_tokens: int = 0  # length of the initial prompt (system + task [+ summary])
     end_reason: str = ""  # "summarized" or the episode's finish reason for the last segment
     # [len(token_ids), moe_layers, k] int32, aligned with token_ids: the experts the sampler routed each
-    # token to when it ran it as an input (rl.harness.replay); -1 rows for tokens it never ran (the tail)
+    # token to when it ran it as an input (c2jax.rl.harness.replay); -1 rows for tokens it never ran (the tail)
     replay_ids: np.ndarray | None = None
 
     def to_dict(self) -> dict:

@@ -4,11 +4,11 @@
 isolation and exists for unit tests only.
 """
 
-from rl.sandbox.base import WORKSPACE, ExecResult, Limits, Sandbox, SandboxError, SandboxPathError
-from rl.sandbox.bwrap import BwrapSandbox, find_bwrap
-from rl.sandbox.layers import BaseSnapshot
-from rl.sandbox.local import LocalSandbox
-from rl.sandbox.pool import SandboxPool
+from c2jax.rl.sandbox.base import WORKSPACE, ExecResult, Limits, Sandbox, SandboxError, SandboxPathError
+from c2jax.rl.sandbox.bwrap import BwrapSandbox, find_bwrap
+from c2jax.rl.sandbox.layers import BaseSnapshot
+from c2jax.rl.sandbox.local import LocalSandbox
+from c2jax.rl.sandbox.pool import SandboxPool
 
 __all__ = ["WORKSPACE", "BaseSnapshot", "BwrapSandbox", "ExecResult", "Limits", "LocalSandbox", "Sandbox",
            "SandboxError", "SandboxPathError", "SandboxPool", "find_bwrap"]

@@ -25,15 +25,15 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.sandbox import gitseal
-from rl.sandbox.base import WORKSPACE, ExecResult, Limits, SandboxError
-from rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
-from rl.sandbox.layers import BaseSnapshot, Workspace, overlay_supported
-from rl.sandbox.limits import SandboxCgroup, detect_cgroups, launcher_prefix
-from rl.sandbox.procs import run_captured
+from c2jax.rl.sandbox import gitseal
+from c2jax.rl.sandbox.base import WORKSPACE, ExecResult, Limits, SandboxError
+from c2jax.rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
+from c2jax.rl.sandbox.layers import BaseSnapshot, Workspace, overlay_supported
+from c2jax.rl.sandbox.limits import SandboxCgroup, detect_cgroups, launcher_prefix
+from c2jax.rl.sandbox.procs import run_captured
 
 if TYPE_CHECKING:
-    from rl.sandbox.pool import SandboxPool
+    from c2jax.rl.sandbox.pool import SandboxPool
 
 SANDBOX_UID = 1000
 _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from rl.sandbox.base import SandboxError
+from c2jax.rl.sandbox.base import SandboxError
 
 _IDENTITY = {
     "GIT_AUTHOR_NAME": "c2jax", "GIT_AUTHOR_EMAIL": "c2jax@localhost",

@@ -15,7 +15,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from rl.sandbox.base import Sandbox, SandboxError, SandboxPathError
+from c2jax.rl.sandbox.base import Sandbox, SandboxError, SandboxPathError
 
 
 def normalize(path: str) -> str:

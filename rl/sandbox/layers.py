@@ -26,8 +26,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from rl.sandbox import gitseal
-from rl.sandbox.base import SandboxError
+from c2jax.rl.sandbox import gitseal
+from c2jax.rl.sandbox.base import SandboxError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _MNT_DETACH = 2

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.sandbox.base import Limits
+from c2jax.rl.sandbox.base import Limits
 
 _V1_ROOT = Path("/sys/fs/cgroup")
 

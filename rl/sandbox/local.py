@@ -13,10 +13,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rl.sandbox import gitseal
-from rl.sandbox.base import ExecResult, Limits, SandboxError
-from rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
-from rl.sandbox.procs import run_captured
+from c2jax.rl.sandbox import gitseal
+from c2jax.rl.sandbox.base import ExecResult, Limits, SandboxError
+from c2jax.rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
+from c2jax.rl.sandbox.procs import run_captured
 
 
 class LocalSandbox(HostWorkspaceSandbox):

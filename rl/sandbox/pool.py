@@ -19,9 +19,9 @@ import shutil
 import threading
 from pathlib import Path
 
-from rl.sandbox.base import Limits, SandboxError
-from rl.sandbox.bwrap import BwrapSandbox, default_state_dir
-from rl.sandbox.layers import BaseSnapshot, unmount
+from c2jax.rl.sandbox.base import Limits, SandboxError
+from c2jax.rl.sandbox.bwrap import BwrapSandbox, default_state_dir
+from c2jax.rl.sandbox.layers import BaseSnapshot, unmount
 
 
 def _pid_alive(pid: int) -> bool:

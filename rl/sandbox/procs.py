@@ -15,7 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-from rl.sandbox.base import ExecResult, Limits
+from c2jax.rl.sandbox.base import ExecResult, Limits
 
 TIMEOUT_EXIT_CODE = 124
 _READ_CHUNK = 1 << 16

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from rl.system.backends import make_learner, make_policy
-from rl.system.config import RLSystemConfig
-from rl.system.envs import EnvironmentHost, byte_tokenizer, run_ladder_episode, run_target_group
-from rl.system.groups import Group
-from rl.system.weight_sync import DeltaDecoder, DeltaEncoder
+from c2jax.rl.system.backends import make_learner, make_policy
+from c2jax.rl.system.config import RLSystemConfig
+from c2jax.rl.system.envs import EnvironmentHost, byte_tokenizer, run_ladder_episode, run_target_group
+from c2jax.rl.system.groups import Group
+from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder
 
 
 class Learner:
@@ -103,7 +103,7 @@ class RolloutWorker:
         self.renderer = None
         detok = None
         if cfg.env.kind in ("ladder", "text"):
-            from rl.harness import ChatRenderer
+            from c2jax.rl.harness import ChatRenderer
 
             self.renderer = ChatRenderer(byte_tokenizer())
             detok = self.renderer.decode
@@ -196,21 +196,21 @@ class RolloutWorker:
 
 
 class _TokenPolicy:
-    """TokenPolicy (rl.harness.agents) over a backend, swapping weights at chunk boundaries."""
+    """TokenPolicy (c2jax.rl.harness.agents) over a backend, swapping weights at chunk boundaries."""
 
     def __init__(self, policy, swap):
         self.policy, self.swap = policy, swap
 
     def generate_tokens(self, prompt_ids, *, max_new_tokens, stop_token_ids, temperature=1.0, seed=0, top_p=1.0,
                         top_k=0):
-        from models.inference.engine import Request
+        from c2jax.models.inference.engine import Request
 
         req = Request(list(prompt_ids), max_new_tokens, tuple(stop_token_ids), (), temperature, top_p, top_k, seed)
         return self.policy.generate([req], self.swap)[0]
 
 
 class Evaluator(RolloutWorker):
-    """Samples the held-out prompts K times with the weights of one version; scores with rl.eval.metrics."""
+    """Samples the held-out prompts K times with the weights of one version; scores with c2jax.rl.eval.metrics."""
 
     def evaluate(self, prompt_ids: list[str], k: int, chain: list, seed: int) -> dict:
         rewards, scores = [], []
@@ -225,18 +225,18 @@ class Evaluator(RolloutWorker):
 
 
 def model_score(rollout) -> float:
-    """Mean sampler log-probability of a rollout's sampled tokens: the `model_score` selector of rl.eval
+    """Mean sampler log-probability of a rollout's sampled tokens: the `model_score` selector of c2jax.rl.eval
     (runner.model_score), 0.0 when it sampled nothing."""
     lps = [lp for s in rollout.sequences for lp, m in zip(s["behavior_logprobs"], s["loss_mask"]) if m]
     return float(sum(lps) / len(lps)) if lps else 0.0
 
 
 def eval_scores(rewards, scores, k: int, success_threshold: float) -> dict:
-    """Online-eval scores of a [prompts, K] reward matrix with the canonical estimators (rl.eval.metrics,
+    """Online-eval scores of a [prompts, K] reward matrix with the canonical estimators (c2jax.rl.eval.metrics,
     docs/eval.md): a sample succeeds when its reward >= success_threshold; avg@1 = mean over prompts of
     c/n, pass@K, and best-of-K with the model_score selector (the sample the policy is most confident in).
     `reward/mean` is the plain mean reward (the target task's reward is fractional)."""
-    from rl.eval.metrics import best_of_k, mean, pass_at_k
+    from c2jax.rl.eval.metrics import best_of_k, mean, pass_at_k
 
     rw = np.asarray(rewards, np.float64)
     if rw.ndim != 2 or rw.shape[1] != k or np.shape(scores) != rw.shape:

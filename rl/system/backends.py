@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rl.system.config import RLSystemConfig
+from c2jax.rl.system.config import RLSystemConfig
 
 
 # ------------------------------------------------------------------------------------ weight naming
@@ -53,8 +53,8 @@ class EnginePolicy:
     def __init__(self, cfg: RLSystemConfig, detokenize=None):
         from flax import nnx
 
-        from models.inference.engine import InferenceEngine
-        from models.transformer import init
+        from c2jax.models.inference.engine import InferenceEngine
+        from c2jax.models.transformer import init
 
         model = init(cfg.model, cfg.seed)  # structure; the weights come from the first sync
         self._graphdef3, self._params_like, self._rest_like = nnx.split(model, nnx.Param, ...)
@@ -102,7 +102,7 @@ class FakePolicy:
         self.logits, self.version = np.asarray(weights["logits"], np.float64), version
 
     def generate(self, requests, maybe_swap):
-        from models.inference.engine import GenerationResult
+        from c2jax.models.inference.engine import GenerationResult
 
         results = [GenerationResult([], [], [], None, "length") for _ in requests]
         rngs = [np.random.default_rng(r.seed) for r in requests]
@@ -131,7 +131,7 @@ _EXECUTION_FIELDS = ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_
 def check_init_from(cfg: RLSystemConfig) -> str:
     """"hf" or "run" for `cfg.init_from`; a ConfigError naming the path when it is neither (checked on the
     driver before any actor starts, and again where the weights are loaded)."""
-    from models.config import ConfigError
+    from c2jax.models.config import ConfigError
 
     path = Path(cfg.init_from).expanduser()
     if cfg.backend.learner != "rl":
@@ -153,13 +153,13 @@ def _load_pretraining_run(path: Path):
     from flax import nnx
 
     from c2jax.config import from_dict, load_yaml
+    from c2jax.models.config import ConfigError
+    from c2jax.models.transformer import init
     from c2jax.train.checkpoint import Checkpointer
     from c2jax.train.config import PretrainConfig
     from c2jax.train.loop import phase_model_config
     from c2jax.train.optim import make_optimizer
     from c2jax.train.step import init_train_state
-    from models.config import ConfigError
-    from models.transformer import init
 
     run = from_dict(PretrainConfig, load_yaml(path / "config.yaml"))
     ckpt = Checkpointer(path / "checkpoints", run.checkpoint)
@@ -184,15 +184,15 @@ def initial_model(cfg: RLSystemConfig):
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.config import ConfigError, ModelConfig
-    from models.transformer import init
+    from c2jax.models.config import ConfigError, ModelConfig
+    from c2jax.models.transformer import init
 
     if not cfg.init_from:
         return init(cfg.model, cfg.seed)
     kind = check_init_from(cfg)
     path = Path(cfg.init_from).expanduser()
     if kind == "hf":
-        from models import hf
+        from c2jax.models import hf
 
         model = hf.from_pretrained(path, mtp="drop" if cfg.model.num_nextn_predict_layers == 0 else "auto")
     else:
@@ -242,9 +242,9 @@ class RLLearner:
     def __init__(self, cfg: RLSystemConfig, run_dir: Path):
         import jax
 
+        from c2jax.rl.learner import init_rl_state, make_optimizer, make_rl_step
         from c2jax.train.checkpoint import Checkpointer
         from c2jax.train.config import CheckpointConfig
-        from rl.learner import init_rl_state, make_optimizer, make_rl_step
 
         tx = make_optimizer(cfg.rl)
         graphdef, self.state = init_rl_state(initial_model(cfg), tx, cfg.rl)

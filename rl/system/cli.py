@@ -18,9 +18,9 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from rl.system.config import load_system_config
-    from rl.system.dashboard import Dashboard
-    from rl.system.reconciler import Reconciler
+    from c2jax.rl.system.config import load_system_config
+    from c2jax.rl.system.dashboard import Dashboard
+    from c2jax.rl.system.reconciler import Reconciler
 
     cfg = load_system_config(args.config, args.overrides)
     console = Console()

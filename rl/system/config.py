@@ -18,10 +18,10 @@ from c2jax.config import (
     from_dict,
     load_yaml,
 )
-from models.config import ModelConfig
-from models.inference.engine import EngineConfig
-from rl.config import RLConfig
-from rl.harness.episode import EpisodeConfig
+from c2jax.models.config import ModelConfig
+from c2jax.models.inference.engine import EngineConfig
+from c2jax.rl.config import RLConfig
+from c2jax.rl.harness.episode import EpisodeConfig
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class CurriculumConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     every: int = 0  # learner steps between online evals; 0: off
-    k: int = 4  # samples per held-out prompt: avg@1, pass@K and best-of-K (rl.eval.metrics)
+    k: int = 4  # samples per held-out prompt: avg@1, pass@K and best-of-K (c2jax.rl.eval.metrics)
     success_threshold: float = 1.0  # a sample succeeds (is "resolved") when its reward >= this
 
 
@@ -148,7 +148,7 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """`rl`/`engine`: the real learner (rl.learner.rl_step) and sampler (InferenceEngine). `fake`: NumPy
+    """`rl`/`engine`: the real learner (c2jax.rl.learner.rl_step) and sampler (InferenceEngine). `fake`: NumPy
     stand-ins (a categorical policy trained by REINFORCE) for fast tests of the system itself."""
 
     learner: Literal["rl", "fake"] = "rl"

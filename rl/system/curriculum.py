@@ -8,7 +8,7 @@ import collections
 
 import numpy as np
 
-from rl.system.config import CurriculumConfig
+from c2jax.rl.system.config import CurriculumConfig
 
 
 class Curriculum:

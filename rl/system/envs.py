@@ -9,7 +9,7 @@ template (or as raw text, a completion task); the decoded answer (up to <|im_end
 reference on an environment worker.
 `ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
 agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
-Sandbox interface), and the final diff is graded there in a fresh sandbox by rl.tasks.grading.grade.
+Sandbox interface), and the final diff is graded there in a fresh sandbox by c2jax.rl.tasks.grading.grade.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from rl.sandbox.base import Sandbox, SandboxError
-from rl.system.config import EnvConfig
-from rl.system.groups import Rollout, sequence
+from c2jax.rl.sandbox.base import Sandbox, SandboxError
+from c2jax.rl.system.config import EnvConfig
+from c2jax.rl.system.groups import Rollout, sequence
 
 
 # ---------------------------------------------------------------------------------------- prompt sets
@@ -94,7 +94,7 @@ def text_reward(answer: str, reference: str, match: str = "prefix") -> float:
 
 def ladder_tasks(cfg: EnvConfig, directory: Path, seed: int, held_out: bool = False) -> dict[str, Path]:
     """task id -> task directory; the held-out set is the ladder built from another seed."""
-    from rl.tasks.ladder import build_ladder
+    from c2jax.rl.tasks.ladder import build_ladder
 
     out = directory / ("eval" if held_out else "train")
     paths = build_ladder(out, seed=seed + (1000 if held_out else 0), per_rung=cfg.per_rung, rungs=cfg.rungs)
@@ -105,7 +105,7 @@ def byte_tokenizer():
     """Byte-level tokenizer (256 byte tokens, no merges) plus the chat special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from rl.harness import add_chat_special_tokens
+    from c2jax.rl.harness import add_chat_special_tokens
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -146,7 +146,7 @@ class EnvironmentHost:
 
     def grade_text(self, task_id: str, tokens: list[int]) -> float:
         """The answer is the decoded tokens up to the first <|im_end|>."""
-        from rl.harness import ChatRenderer
+        from c2jax.rl.harness import ChatRenderer
 
         if task_id not in self.references:
             raise KeyError(f"unknown text task {task_id!r}")
@@ -159,7 +159,7 @@ class EnvironmentHost:
         return text_reward(answer, self.references[task_id], self.cfg.text_match)
 
     def _task(self, task_id: str):
-        from rl.tasks.task import load_task
+        from c2jax.rl.tasks.task import load_task
 
         if task_id not in self._tasks:
             if task_id not in self.task_dirs:
@@ -168,7 +168,7 @@ class EnvironmentHost:
         return self._tasks[task_id]
 
     def _factory(self):
-        from rl.tasks.build import sandbox_factory
+        from c2jax.rl.tasks.build import sandbox_factory
 
         return sandbox_factory(self.cfg.sandbox)
 
@@ -190,7 +190,7 @@ class EnvironmentHost:
             sandbox.close()
 
     def grade_patch(self, task_id: str, patch: str) -> tuple[float, dict]:
-        from rl.tasks.grading import grade
+        from c2jax.rl.tasks.grading import grade
 
         result = grade(self._task(task_id), patch, self._factory())
         return float(result.reward), {"status": result.status}
@@ -250,8 +250,8 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
     """G samples of one single-turn prompt in one batched generate call, each graded on an environment
     worker: by `grade_target(tokens)`, or with `task_id` by `grade_text(task_id, tokens)` (the text kind,
     which stops at `stop_ids`). With `replay`, each sequence records the sampler's experts per token."""
-    from models.inference.engine import Request
-    from rl.harness.replay import single_turn_replay
+    from c2jax.models.inference.engine import Request
+    from c2jax.rl.harness.replay import single_turn_replay
 
     requests = [Request(list(prompt), cfg.gen_len, tuple(stop_ids), (), cfg.temperature, 1.0, 0, seed * 7919 + i)
                 for i in range(group_size)]
@@ -288,7 +288,7 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
                        seed: int, max_retries: int, replay: bool = False) -> Rollout:
     """One agentic episode; an episode whose environment failed is re-run up to max_retries times. With
     `replay`, each segment's sequence carries the harness's per-token replay record."""
-    from rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
+    from c2jax.rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
 
     error = None
     for attempt in range(1, max_retries + 2):

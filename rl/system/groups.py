@@ -3,7 +3,7 @@ one prompt with its advantages, and the packed batch built from groups.
 
 A rollout holds one sequence per context segment (self-summarization makes several); every token carries
 the sampler's logprob and the policy version that sampled it (-1 on environment tokens) and, with router
-replay, the sampler's experts for it (`replay_ids`, an encoded [n, L_moe, k] record, rl.harness.replay).
+replay, the sampler's experts for it (`replay_ids`, an encoded [n, L_moe, k] record, c2jax.rl.harness.replay).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from rl.advantages import group_advantages
-from rl.batch import RLBatch, pack
-from rl.config import AdvantageConfig
-from rl.harness.replay import learner_replay_ids
-from rl.harness.trajectory import decode_array, encode_array
+from c2jax.rl.advantages import group_advantages
+from c2jax.rl.batch import RLBatch, pack
+from c2jax.rl.config import AdvantageConfig
+from c2jax.rl.harness.replay import learner_replay_ids
+from c2jax.rl.harness.trajectory import decode_array, encode_array
 
 
 @dataclass
@@ -107,7 +107,7 @@ def sequence(tokens, loss_mask, behavior_logprobs, policy_versions, replay_ids: 
 def batch_sequences(groups: Sequence[Group], replay: bool = False) -> list[dict]:
     """The learner sequences of the groups, each cut after its last sampled token (environment text after
     it, e.g. a final tool output, is not a target and nothing trained attends to it). With `replay`, each
-    carries the sampler's experts for every token (rl.harness.replay.learner_replay_ids); a rollout
+    carries the sampler's experts for every token (c2jax.rl.harness.replay.learner_replay_ids); a rollout
     without a replay record is an error."""
     out = []
     for g in groups:

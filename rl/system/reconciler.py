@@ -22,14 +22,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rl.system.actors import Evaluator, Learner, RolloutWorker, spawn, spawn_env_worker
-from rl.system.config import RLSystemConfig, save_system_config
-from rl.system.curriculum import Curriculum
-from rl.system.envs import byte_tokenizer, ladder_tasks, load_text_tasks, target_prompts, text_prompts
-from rl.system.groups import Group, build_batch
-from rl.system.staleness import StalenessManager, is_stale, oldest_allowed
-from rl.system.store import GroupStore
-from rl.system.weight_sync import WeightChain
+from c2jax.rl.system.actors import Evaluator, Learner, RolloutWorker, spawn, spawn_env_worker
+from c2jax.rl.system.config import RLSystemConfig, save_system_config
+from c2jax.rl.system.curriculum import Curriculum
+from c2jax.rl.system.envs import byte_tokenizer, ladder_tasks, load_text_tasks, target_prompts, text_prompts
+from c2jax.rl.system.groups import Group, build_batch
+from c2jax.rl.system.staleness import StalenessManager, is_stale, oldest_allowed
+from c2jax.rl.system.store import GroupStore
+from c2jax.rl.system.weight_sync import WeightChain
 
 
 class Reconciler:
@@ -62,7 +62,7 @@ class Reconciler:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                              f"{vocab} tokens; set model.vocab_size >= {vocab}")
         if cfg.env.kind == "text":
-            from rl.harness import ChatRenderer
+            from c2jax.rl.harness import ChatRenderer
 
             renderer = ChatRenderer(byte_tokenizer())
             train = load_text_tasks(cfg.env.text_tasks)
@@ -76,7 +76,7 @@ class Reconciler:
         train = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed)
         held = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed, held_out=True)
         held = dict(list(held.items())[: cfg.env.eval_prompts])
-        from rl.tasks.task import load_task
+        from c2jax.rl.tasks.task import load_task
 
         def instructions(paths):
             return {tid: load_task(p).prompt(cfg.env.prompt_level) for tid, p in paths.items()}
@@ -100,7 +100,7 @@ class Reconciler:
                              f"workers + evaluator) but the Ray cluster has {have:g}; lower them or raise "
                              "ray.num_cpus")
         if cfg.init_from:  # fail here, naming the path, rather than inside the learner actor
-            from rl.system.backends import check_init_from
+            from c2jax.rl.system.backends import check_init_from
 
             check_init_from(cfg)
         save_system_config(cfg, self.run_dir)

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from rl.system.groups import Group
+from c2jax.rl.system.groups import Group
 
 
 class GroupStore:

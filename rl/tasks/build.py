@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.tasks import deletion, mutation
-from rl.tasks.gencommon import emit_task, package_modules, run_tests, split_outcome
-from rl.tasks.grading import GradeResult, SandboxFactory, grade
-from rl.tasks.ladder import RUNGS, build_ladder
-from rl.tasks.release import build_release_task
-from rl.tasks.sdist import SdistError, SdistSpec, prepare
-from rl.tasks.task import Task, load_tasks
+from c2jax.rl.tasks import deletion, mutation
+from c2jax.rl.tasks.gencommon import emit_task, package_modules, run_tests, split_outcome
+from c2jax.rl.tasks.grading import GradeResult, SandboxFactory, grade
+from c2jax.rl.tasks.ladder import RUNGS, build_ladder
+from c2jax.rl.tasks.release import build_release_task
+from c2jax.rl.tasks.sdist import SdistError, SdistSpec, prepare
+from c2jax.rl.tasks.task import Task, load_tasks
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,11 @@ class SuiteConfig:
 
 def sandbox_factory(kind: str) -> SandboxFactory:
     if kind == "local":
-        from rl.sandbox import LocalSandbox
+        from c2jax.rl.sandbox import LocalSandbox
 
         return lambda repo: LocalSandbox(repo, allow_unisolated=True)
     if kind == "bwrap":
-        from rl.sandbox.bwrap import BwrapSandbox
+        from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
         return lambda repo: BwrapSandbox(repo)
     raise ValueError(f"sandbox must be 'bwrap' or 'local', got {kind!r}")

@@ -28,8 +28,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from c2jax.config import apply_overrides, from_dict, load_yaml
-    from rl.tasks.build import SuiteConfig, build_suite, sandbox_factory, validate_task
-    from rl.tasks.task import load_tasks
+    from c2jax.rl.tasks.build import SuiteConfig, build_suite, sandbox_factory, validate_task
+    from c2jax.rl.tasks.task import load_tasks
 
     console = Console()
     if args.tasks_command == "build":

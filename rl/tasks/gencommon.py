@@ -11,10 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rl.tasks.grading import SandboxFactory
-from rl.tasks.patches import is_test_path, make_patch, patch_size
-from rl.tasks.results import PASSED, ReportError, parse_junit
-from rl.tasks.task import Task, write_task
+from c2jax.rl.tasks.grading import SandboxFactory
+from c2jax.rl.tasks.patches import is_test_path, make_patch, patch_size
+from c2jax.rl.tasks.results import PASSED, ReportError, parse_junit
+from c2jax.rl.tasks.task import Task, write_task
 
 
 def run_tests(repo: Path, sandbox_factory: SandboxFactory, *, edits: dict[str, str | None] | None = None,

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import ExecResult, Sandbox
-from rl.tasks.patches import drop_test_files
-from rl.tasks.results import FAILING, PASSED, SKIPPED, XFAIL, ReportError, parse_junit, parse_pytest_rA
-from rl.tasks.task import Task
+from c2jax.rl.sandbox.base import ExecResult, Sandbox
+from c2jax.rl.tasks.patches import drop_test_files
+from c2jax.rl.tasks.results import FAILING, PASSED, SKIPPED, XFAIL, ReportError, parse_junit, parse_pytest_rA
+from c2jax.rl.tasks.task import Task
 
 SandboxFactory = Callable[[Path], Sandbox]
 STATUSES = ("resolved", "unresolved", "patch_failed", "invalid", "timeout", "unsupported")

@@ -19,8 +19,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from rl.tasks.ladder import _ANSWER_TEST, write_generated_task
-from rl.tasks.task import Task
+from c2jax.rl.tasks.ladder import _ANSWER_TEST, write_generated_task
+from c2jax.rl.tasks.task import Task
 
 _WORDS = ["amber", "basalt", "canyon", "drift", "ember", "fjord", "glacier", "heron", "island", "jasper", "kestrel",
           "lagoon", "meadow", "nimbus", "oasis", "prairie", "quartz", "ridge", "summit", "tundra", "upland", "valley",

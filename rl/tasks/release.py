@@ -12,11 +12,11 @@ import dataclasses
 import difflib
 from pathlib import Path
 
-from rl.tasks.gencommon import package_modules, run_tests
-from rl.tasks.grading import SandboxFactory
-from rl.tasks.patches import is_test_path, make_patch, patch_size
-from rl.tasks.results import PASSED
-from rl.tasks.task import Task, write_task
+from c2jax.rl.tasks.gencommon import package_modules, run_tests
+from c2jax.rl.tasks.grading import SandboxFactory
+from c2jax.rl.tasks.patches import is_test_path, make_patch, patch_size
+from c2jax.rl.tasks.results import PASSED
+from c2jax.rl.tasks.task import Task, write_task
 
 _CHANGELOG_NAMES = ("CHANGES", "CHANGELOG", "HISTORY", "NEWS", "RELEASE")
 

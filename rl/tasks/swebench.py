@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rl.tasks.grading import GradeResult
-from rl.tasks.patches import patch_size
-from rl.tasks.task import Task, TaskFormatError
+from c2jax.rl.tasks.grading import GradeResult
+from c2jax.rl.tasks.patches import patch_size
+from c2jax.rl.tasks.task import Task, TaskFormatError
 
 REQUIRED = ("instance_id", "FAIL_TO_PASS", "PASS_TO_PASS")
 

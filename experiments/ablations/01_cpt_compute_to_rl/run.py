@@ -116,8 +116,8 @@ def make_tasks(out: Path, raw: dict) -> dict:
 def check_prompt_tokens(sft_jsonl: str, tokenizer: str) -> None:
     """SFT prompts, tokenized by the data pipeline, must be the token ids the RL sampler is given."""
     from c2jax.data.tokenizer import load_tokenizer
-    from rl.harness import ChatRenderer
-    from rl.system.envs import byte_tokenizer
+    from c2jax.rl.harness import ChatRenderer
+    from c2jax.rl.system.envs import byte_tokenizer
 
     data, renderer = load_tokenizer(tokenizer), ChatRenderer(byte_tokenizer())
     if data.eos_id != renderer.im_end_id:
@@ -190,13 +190,13 @@ def sft(dcfg, raw: dict, out: Path, tokenizer: str, sft_jsonl: str, cpt_hf: str,
 
 
 def reinforce(dcfg, raw: dict, out: Path, tasks: dict, sft_hf: str, budget: int) -> dict:
+    from c2jax.models.inference.engine import EngineConfig
+    from c2jax.rl.config import LossConfig as RLLossConfig
+    from c2jax.rl.config import RLConfig
+    from c2jax.rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
+    from c2jax.rl.system.config import EvalConfig as OnlineEval
+    from c2jax.rl.system.reconciler import run_system
     from experiments.demo.pipeline import model_config
-    from models.inference.engine import EngineConfig
-    from rl.config import LossConfig as RLLossConfig
-    from rl.config import RLConfig
-    from rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
-    from rl.system.config import EvalConfig as OnlineEval
-    from rl.system.reconciler import run_system
 
     r = raw["rl"]
     seq = int(r["seq_len"])
@@ -236,8 +236,8 @@ def shrink(raw: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from c2jax.rl.system.envs import byte_tokenizer
     from experiments.demo.pipeline import _shutdown_ray, data_tokenizer, stage_base
-    from rl.system.envs import byte_tokenizer
 
     args, raw = ablation_args(argv, __doc__, HERE, "two tiny budgets, a few steps each (for tests)")
     if args.quick:

@@ -13,9 +13,9 @@ from pathlib import Path
 import matplotlib
 from tensorboardX import SummaryWriter
 
+from c2jax.rl.system.config import load_system_config
+from c2jax.rl.system.reconciler import run_system
 from experiments.ablations.provenance import ablation_args, git_commit
-from rl.system.config import load_system_config
-from rl.system.reconciler import run_system
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

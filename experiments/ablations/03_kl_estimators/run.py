@@ -14,8 +14,8 @@ import matplotlib
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from c2jax.rl.kl import kl_estimate
 from experiments.ablations.provenance import ablation_args, git_commit
-from rl.kl import kl_estimate
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -18,13 +18,13 @@ import matplotlib
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from c2jax.models.config import preset
+from c2jax.models.transformer import init
+from c2jax.rl.advantages import group_advantages
+from c2jax.rl.config import AdvantageConfig, LossConfig, RLConfig
+from c2jax.rl.learner import init_rl_state, make_optimizer, make_rl_step
+from c2jax.rl.toy import make_full_forward_sampler, single_turn_batch
 from experiments.ablations.provenance import ablation_args, git_commit
-from models.config import preset
-from models.transformer import init
-from rl.advantages import group_advantages
-from rl.config import AdvantageConfig, LossConfig, RLConfig
-from rl.learner import init_rl_state, make_optimizer, make_rl_step
-from rl.toy import make_full_forward_sampler, single_turn_batch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

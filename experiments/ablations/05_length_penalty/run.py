@@ -13,9 +13,9 @@ import matplotlib
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from c2jax.rl.config import LengthPenaltyConfig
+from c2jax.rl.length_penalty import concave_length_cost
 from experiments.ablations.provenance import ablation_args, git_commit
-from rl.config import LengthPenaltyConfig
-from rl.length_penalty import concave_length_cost
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -1,7 +1,7 @@
 """Ablation 06 (Composer 2 sec. 6): NVFP4 with the spec's per-tensor FP32 scale vs Composer's per-token scales.
 
 1. Batch variance. A fixed probe sequence sits in many random batches; the MoE fprop's NVFP4 quantization of
-   the batch (kernels.qlinear.fprop, x along K) decides the probe's output. Per tensor, the global amax of the
+   the batch (c2jax.kernels.qlinear.fprop, x along K) decides the probe's output. Per tensor, the global amax of the
    batch sets every token's encode scale, so the other sequences change the probe's codes and output; per token,
    nothing outside the token does. Measured: how often and how much the probe's output changes, how many of its
    quantized inputs change, and its error against the full-precision product.
@@ -22,8 +22,8 @@ import numpy as np
 import yaml
 from tensorboardX import SummaryWriter
 
+from c2jax.kernels import qlinear
 from experiments.ablations.provenance import ablation_args, git_commit
-from kernels import qlinear
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -21,8 +21,8 @@ import numpy as np
 import yaml
 from tensorboardX import SummaryWriter
 
+from c2jax.kernels import qlinear
 from experiments.ablations.provenance import ablation_args, git_commit
-from kernels import qlinear
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -22,12 +22,12 @@ import optax
 from flax import nnx
 from tensorboardX import SummaryWriter
 
+from c2jax.models.config import ModelConfig, preset
+from c2jax.models.transformer import init
+from c2jax.rl.replay import logprob_mismatch, replay_override_fraction
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource
 from experiments.ablations.provenance import ablation_args, git_commit
-from models.config import ModelConfig, preset
-from models.transformer import init
-from rl.replay import logprob_mismatch, replay_override_fraction
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -27,11 +27,11 @@ import optax
 from flax import nnx
 from tensorboardX import SummaryWriter
 
+from c2jax.models.config import ModelConfig, preset
+from c2jax.models.transformer import Transformer
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource
 from experiments.ablations.provenance import ablation_args, git_commit
-from models.config import ModelConfig, preset
-from models.transformer import Transformer
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

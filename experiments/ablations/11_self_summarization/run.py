@@ -1,7 +1,7 @@
 """Ablation 11 (Composer 2 sec. 4.5): self-summarization vs truncation on long-horizon tasks.
 
 Pointer-chain tasks (rl/tasks/long_horizon.py) of growing length need more context than one segment holds.
-One scripted, context-limited policy runs them through the real harness loop (rl.harness.run_episode, in
+One scripted, context-limited policy runs them through the real harness loop (c2jax.rl.harness.run_episode, in
 sandboxes) under two context policies, and the real grader scores the result:
   truncation    summary_trigger_tokens=None: when the segment's context is full the episode ends
   self_summary  at summary_trigger_tokens the policy writes a summary and continues from it (max_summaries)
@@ -24,13 +24,13 @@ import matplotlib
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from c2jax.rl.harness import ChatRenderer, EpisodeConfig, EpisodeTask, default_registry, run_episode
+from c2jax.rl.harness.agents import AgentContext, AgentTurn
+from c2jax.rl.harness.chat_format import parse_assistant_text, render_tool_call
+from c2jax.rl.tasks import grade, load_task
+from c2jax.rl.tasks.build import sandbox_factory
+from c2jax.rl.tasks.long_horizon import build_chain_tasks
 from experiments.ablations.provenance import ablation_args, git_commit
-from rl.harness import ChatRenderer, EpisodeConfig, EpisodeTask, default_registry, run_episode
-from rl.harness.agents import AgentContext, AgentTurn
-from rl.harness.chat_format import parse_assistant_text, render_tool_call
-from rl.tasks import grade, load_task
-from rl.tasks.build import sandbox_factory
-from rl.tasks.long_horizon import build_chain_tasks
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -120,7 +120,7 @@ class ChainFollower:
 
 
 def make_renderer() -> ChatRenderer:
-    from rl.system.envs import byte_tokenizer
+    from c2jax.rl.system.envs import byte_tokenizer
 
     return ChatRenderer(byte_tokenizer())  # 1 token per byte: the context length is the transcript's byte count
 
@@ -128,8 +128,8 @@ def make_renderer() -> ChatRenderer:
 def pick_sandbox(kind: str) -> str:
     if kind != "auto":
         return kind
-    from rl.sandbox.base import SandboxError
-    from rl.sandbox.bwrap import find_bwrap
+    from c2jax.rl.sandbox.base import SandboxError
+    from c2jax.rl.sandbox.bwrap import find_bwrap
 
     try:
         find_bwrap()
