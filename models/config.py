@@ -19,10 +19,38 @@ MOE_QUANT_DIVISIONS = ("ieee", "approx")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
 SCORING_FUNCS = ("sigmoid", "softmax")
 DTYPES = ("float32", "bfloat16", "float16")
+# Short names researchers type; the canonical name is what configs store and YAML shows.
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16",
+                  "fp16": "float16", "f16": "float16", "half": "float16"}
 
 
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or inconsistent. The message names the field."""
+
+
+def dtype_name(value, *, field: str = "dtype", allowed: tuple[str, ...] = DTYPES) -> str:
+    """The canonical name ("float32", "bfloat16", "float16") of a dtype given as JAX, Flax and Hugging Face
+    users give it: a name or alias ("bfloat16", "bf16"), a NumPy / ml_dtypes / jnp dtype or scalar type
+    (np.float32, jnp.bfloat16, jnp.dtype("float16")), or a torch dtype (torch.bfloat16, named only, so
+    torch need not be installed). Anything else is a ConfigError naming `field`."""
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.").removeprefix("jnp.").removeprefix("np.")
+        name = _DTYPE_ALIASES.get(name, name)
+    elif type(value).__module__ == "torch":  # torch.dtype: str() is "torch.bfloat16"
+        name = str(value).removeprefix("torch.")
+    else:
+        import numpy as np  # local: this module imports nothing heavy at import time
+
+        try:
+            name = np.dtype(value).name
+        except TypeError:
+            name = None
+        if name is None or isinstance(value, bool | int | float):  # np.dtype(1.0) etc. are not dtypes
+            raise ConfigError(f"{field} must be a dtype or its name, one of {allowed}, got {value!r}") from None
+    if name not in allowed:
+        raise ConfigError(f"{field} must be one of {allowed} (or a matching NumPy/JAX/torch dtype), "
+                          f"got {value!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -171,9 +199,8 @@ class ModelConfig:
             raise ConfigError(f"moe_quant={self.moe_quant!r} needs moe_impl='sorted', got {self.moe_impl!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        for name in ("dtype", "param_dtype"):  # stored by name whatever form the caller gave
+            object.__setattr__(self, name, dtype_name(getattr(self, name), field=name))
         if not self.moe_capacity_factors or any(f <= 0 for f in self.moe_capacity_factors):
             raise ConfigError(f"moe_capacity_factors must be positive, got {self.moe_capacity_factors}")
         if list(self.moe_capacity_factors) != sorted(self.moe_capacity_factors):

@@ -2,9 +2,14 @@
 on local Ray with the NumPy fake learner/sampler (async, sync, fault injection, resume) and with the real
 tiny model (rl_step + InferenceEngine)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from c2jax.rl.system.cluster import init_ray, shutdown_ray
 from c2jax.rl.system.config import load_system_config
 from c2jax.rl.system.groups import Group, Rollout, build_batch
 from c2jax.rl.system.staleness import StalenessManager, is_stale
@@ -154,9 +159,45 @@ def test_online_eval_uses_the_canonical_estimators():
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    init_ray(num_cpus=2)  # JAX runs in this process: the cluster starts from a JAX-free launcher
     yield ray
-    ray.shutdown()
+    shutdown_ray()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+_NO_FORK_FROM_JAX = """
+import os, sys, tempfile, warnings
+import jax.numpy as jnp
+jnp.ones(1).block_until_ready()  # JAX's backend (and its threads) up: from here a fork() warns
+warnings.filterwarnings("error", message=r"os.fork\\(\\) was called", category=RuntimeWarning)
+import ray
+from c2jax.rl.sandbox.bwrap import BwrapSandbox, bwrap_unusable_reason
+from c2jax.rl.sandbox.local import LocalSandbox
+from c2jax.rl.system.cluster import init_ray, jax_backend_running, shutdown_ray
+assert jax_backend_running()
+repo = tempfile.mkdtemp()
+open(os.path.join(repo, "a.txt"), "w").write("hi")
+kinds = [lambda: LocalSandbox(repo, allow_unisolated=True)]
+if bwrap_unusable_reason() is None:
+    kinds.append(lambda: BwrapSandbox(repo))
+for make in kinds:
+    box = make()
+    assert box.exec("cat a.txt").stdout == "hi"
+    box.close()
+init_ray(num_cpus=1)
+assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+shutdown_ray()
+print("ok", len(kinds))
+"""
+
+
+def test_sandboxes_and_ray_start_without_forking_a_jax_process():
+    """A process running JAX launches sandbox commands (vfork + exec) and a local Ray cluster (from a
+    JAX-free launcher) without one fork(): JAX's at-fork warning is an error here, and none is raised."""
+    proc = subprocess.run([sys.executable, "-c", _NO_FORK_FROM_JAX], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-4000:]
+    assert "os.fork() was called" not in proc.stderr
 
 
 def _accounted(out):

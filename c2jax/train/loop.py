@@ -257,9 +257,9 @@ class Trainer:
         peak *= max(_mesh_devices(cfg), 1)
         bar = None
         if cfg.progress:
-            from tqdm import tqdm
+            from c2jax.progress import progress
 
-            bar = tqdm(total=cfg.total_steps, initial=start, desc=cfg.name, dynamic_ncols=True)
+            bar = progress(cfg.total_steps, initial=start, desc=cfg.name, unit="step")
         it, it_phase, bad = None, None, 0
         last = time.perf_counter()
         step = start

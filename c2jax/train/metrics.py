@@ -24,13 +24,15 @@ def device_peak_flops(device) -> float | None:
     return None
 
 
-def measure_peak_flops(n: int = 1024, dtype: str = "float32", repeats: int = 5) -> float:
+def measure_peak_flops(n: int = 1024, dtype="float32", repeats: int = 5) -> float:
     """Achieved matmul FLOP/s on the default device: the practical peak on CPUs, which have no datasheet
-    number that XLA can reach."""
+    number that XLA can reach. dtype: a name or a NumPy / jnp / torch dtype (models.config.dtype_name)."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((n, n), dtype)
+    from c2jax.models.config import dtype_name
+
+    a = jnp.ones((n, n), dtype_name(dtype))
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = math.inf

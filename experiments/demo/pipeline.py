@@ -696,10 +696,6 @@ def main(argv=None) -> dict:
 
 
 def _shutdown_ray() -> None:
-    try:
-        import ray
+    from c2jax.rl.system.cluster import shutdown_ray
 
-        if ray.is_initialized():
-            ray.shutdown()
-    except ImportError:
-        pass
+    shutdown_ray()

@@ -8,11 +8,11 @@
   checkpoint.py      reading a (possibly sharded, possibly wrapped) safetensors checkpoint
   safetensors_io.py  the safetensors reader/writer (numpy + ml_dtypes; memory-mapped reads)
   fp8.py             DeepSeek's FP8 block quantization
-  errors.py          `CheckpointError`
+  errors.py          `CheckpointError`, `CheckpointWarning`
 """
 
 from c2jax.models.hf.config import config_from_hf, config_to_hf
-from c2jax.models.hf.errors import CheckpointError
+from c2jax.models.hf.errors import CheckpointError, CheckpointWarning
 from c2jax.models.hf.fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_block, quantize_fp8_block
 from c2jax.models.hf.load import from_pretrained
 from c2jax.models.hf.save import save_pretrained
@@ -21,6 +21,7 @@ __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
     "CheckpointError",
+    "CheckpointWarning",
     "config_from_hf",
     "config_to_hf",
     "dequantize_fp8_block",

@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from c2jax.models.hf.errors import CheckpointError
+from c2jax.models.hf.errors import CheckpointError, CheckpointWarning
 from c2jax.models.hf.fp8 import FP8_BLOCK, dequantize_fp8_block
-from c2jax.models.hf.safetensors_io import _SafetensorsFile
+from c2jax.models.hf.safetensors_io import _SafetensorsFile, count_non_finite
 
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _SKIP_PREFIXES = (
@@ -50,8 +51,15 @@ class _Checkpoint:
     def __init__(self, path: Path, wrapper: bool):
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a "
+                                      f"'weight_map' of tensor -> file): {type(e).__name__}: {e}") from None
+            missing = [n for n in names if not isinstance(n, str) or not (path / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{index} names shard file(s) not in {path}: {missing[:5]}")
         elif (path / "model.safetensors").exists():
             names = ["model.safetensors"]
         else:
@@ -102,7 +110,16 @@ class _Checkpoint:
                     f"{expected} (128x128 blocks of {tuple(shape)})"
                 )
             self.used.add(scale_key)
-            return dequantize_fp8_block(array, scale_file.get(scale_raw))
+            return self._warn_non_finite(key, dequantize_fp8_block(array, scale_file.get(scale_raw)))
         if array.dtype in _FP8_DTYPES:
             raise CheckpointError(f"tensor {key!r} is {array.dtype} but has no {scale_key!r}")
+        return self._warn_non_finite(key, array)
+
+    def _warn_non_finite(self, key: str, array: np.ndarray) -> np.ndarray:
+        """Non-finite weights load (a checkpoint of a diverged run is still worth inspecting), loudly."""
+        bad = count_non_finite(array)
+        if bad:
+            file, raw = self.files[key]
+            warnings.warn(f"{file.path}: tensor {raw!r} holds {bad} non-finite value(s) (NaN/inf) of "
+                          f"{array.size}", CheckpointWarning, stacklevel=4)
         return array

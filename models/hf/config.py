@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from c2jax.models.config import ConfigError, ModelConfig, RopeScaling
+from c2jax.models.config import ConfigError, ModelConfig, RopeScaling, dtype_name
 from c2jax.models.hf.fp8 import FP8_BLOCK
 
 # transformers' DeepseekV3Config defaults: the meaning of a field that a config.json leaves out.
@@ -306,7 +306,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
     """A `deepseek_v3` config.json dict that transformers (DeepseekV3ForCausalLM) and DeepSeek-format
     consumers read back to the same model. Execution-only fields (moe_impl, remat, ...) are not written."""
     rs = cfg.rope_scaling
@@ -344,7 +344,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling,
         "rope_parameters": rope_parameters,
-        "dtype": dtype or cfg.param_dtype,
-        "torch_dtype": dtype or cfg.param_dtype,
+        "dtype": cfg.param_dtype if dtype is None else dtype_name(dtype),
+        "torch_dtype": cfg.param_dtype if dtype is None else dtype_name(dtype),
     }
     return out

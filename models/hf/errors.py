@@ -3,3 +3,7 @@
 
 class CheckpointError(ValueError):
     """A checkpoint tensor is missing, has an unexpected shape or dtype, or is not expected at all."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loads but holds something suspect (non-finite weights)."""

@@ -53,9 +53,27 @@ def _mtp_depth_present(keys: set[str], num_layers: int) -> int:
     return depth
 
 
+def read_config_json(path: Path) -> dict:
+    """config.json of a checkpoint directory, or a CheckpointError saying what is wrong with it."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'} (a "
+                              "Hugging Face checkpoint is a directory of config.json + safetensors)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{path}: no config.json (a Hugging Face checkpoint directory holds config.json "
+                              "and model.safetensors or model.safetensors.index.json)")
+    try:
+        hf = json.loads(config.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config}: a JSON {type(hf).__name__}, expected an object")
+    return hf
+
+
 def from_pretrained(
     path: str | os.PathLike,
-    dtype: str | None = None,
+    dtype: Any = None,
     *,
     mtp: str = "auto",
     sharding: Callable[[tuple[str, ...], nnx.Variable], Any] | None = None,
@@ -63,7 +81,8 @@ def from_pretrained(
 ) -> Transformer:
     """Load a DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 (text) safetensors checkpoint into a `Transformer`.
 
-    dtype: sets ModelConfig.dtype and .param_dtype together (default: the ModelConfig defaults, float32);
+    dtype: sets ModelConfig.dtype and .param_dtype together (default: the ModelConfig defaults, float32): a
+        name ("bfloat16", "bf16"), a NumPy / jnp dtype (jnp.bfloat16) or a torch dtype;
         pass `param_dtype=...` as an override to store parameters differently from the compute dtype.
     mtp: "auto" (load MTP modules if the checkpoint has them, else build without and warn when config.json
         asked for them), "require" (missing MTP tensors are an error), "drop" (never load MTP).
@@ -74,7 +93,7 @@ def from_pretrained(
     the memory-mapped checkpoint and transferred; host memory peaks at about one leaf (one stacked tensor).
     """
     path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
+    hf = read_config_json(path)
     if mtp not in ("auto", "require", "drop"):
         raise ValueError(f"mtp must be 'auto', 'require' or 'drop', got {mtp!r}")
     if dtype is not None:

@@ -10,13 +10,14 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from c2jax.models.config import ModelConfig
+from c2jax.models.config import ModelConfig, dtype_name
 from c2jax.models.hf.config import config_to_hf
 from c2jax.models.hf.fp8 import FP8_BLOCK, quantize_fp8_block
 from c2jax.models.hf.keys import _entry, _save_slice
@@ -56,12 +57,13 @@ def save_pretrained(
     model: Transformer,
     path: str | os.PathLike,
     max_shard_size: int | str = "5GB",
-    dtype: str | None = None,
+    dtype: Any = None,
     quantization: str | None = None,
 ) -> None:
     """Write config.json + safetensors in DeepSeek's on-disk layout (see `c2jax.models.hf.keys`).
 
-    dtype: cast floating tensors (e.g. "bfloat16"); the router correction bias stays float32.
+    dtype: cast floating tensors ("bfloat16", jnp.bfloat16, torch.bfloat16...); the router correction bias
+        stays float32.
     quantization: None, or "fp8" for DeepSeek's release format (e4m3 weights + 128x128 `weight_scale_inv`);
         `from_pretrained` dequantizes it. Used to exercise the FP8 path in tests.
     """
@@ -70,7 +72,8 @@ def save_pretrained(
     cfg: ModelConfig = model.cfg
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cast = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else (np.dtype(dtype) if dtype else None)
+    dtype = None if dtype is None else dtype_name(dtype)
+    cast = None if dtype is None else np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
 
     tensors: dict[str, np.ndarray] = {}
     for leaf_path, variable in nnx.to_flat_state(nnx.state(model)):

@@ -256,10 +256,9 @@ def evaluate(tasks: Sequence[Task], agent_factory: AgentFactory, samples: int | 
 
     bar = None
     if progress:
-        from tqdm import tqdm
+        from c2jax.progress import progress
 
-        bar = tqdm(total=len(tasks) * cfg.samples, initial=len(previous), desc=f"eval {label}", unit="ep",
-                   dynamic_ncols=True)
+        bar = progress(len(tasks) * cfg.samples, initial=len(previous), desc=f"eval {label}", unit="ep")
     pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="eval")
     pending: set = set()
     try:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from c2jax.rl.system.actors import Evaluator, Learner, RolloutWorker, spawn, spawn_env_worker
+from c2jax.rl.system.cluster import init_ray
 from c2jax.rl.system.config import RLSystemConfig, save_system_config
 from c2jax.rl.system.curriculum import Curriculum
 from c2jax.rl.system.envs import byte_tokenizer, ladder_tasks, load_text_tasks, target_prompts, text_prompts
@@ -87,11 +88,7 @@ class Reconciler:
         import ray
 
         cfg, sc = self.cfg, self.cfg.system
-        if not ray.is_initialized():
-            if cfg.ray.address:
-                ray.init(address=cfg.ray.address, logging_level="ERROR")
-            else:
-                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level="ERROR")
+        init_ray(num_cpus=cfg.ray.num_cpus, address=cfg.ray.address)  # no-op when Ray is already up
         need = cfg.ray.learner_cpus + sc.num_env_workers * cfg.ray.env_cpus + cfg.ray.rollout_cpus * (
             sc.num_rollout_workers + (cfg.eval.every > 0))
         have = ray.cluster_resources().get("CPU", 0.0)

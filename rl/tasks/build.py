@@ -175,14 +175,14 @@ def build_suite(cfg: SuiteConfig, out_dir: str | Path, *, factory: SandboxFactor
     """Builds every library's tasks and the ladder into `out_dir`, and writes `manifest.json`. A source
     that cannot be fetched or run is skipped with its error appended to `errors` (raised if None), so
     one bad pin does not lose the rest of the suite."""
-    from tqdm import tqdm
+    from c2jax.progress import progress
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     factory = factory or sandbox_factory(cfg.sandbox)
     cache = Path(cfg.cache_dir).expanduser()
     written: list[Path] = []
-    with tqdm(total=len(cfg.libraries) + len(cfg.releases) + 1, desc="tasks build", unit="source") as bar:
+    with progress(len(cfg.libraries) + len(cfg.releases) + 1, desc="tasks build", unit="source") as bar:
         def attempt(label, fn):
             bar.set_postfix_str(label)
             try:

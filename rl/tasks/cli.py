@@ -25,9 +25,9 @@ def run(args) -> int:
 
     from rich.console import Console
     from rich.table import Table
-    from tqdm import tqdm
 
     from c2jax.config import apply_overrides, from_dict, load_yaml
+    from c2jax.progress import progress
     from c2jax.rl.tasks.build import SuiteConfig, build_suite, sandbox_factory, validate_task
     from c2jax.rl.tasks.task import load_tasks
 
@@ -43,8 +43,11 @@ def run(args) -> int:
 
     factory = sandbox_factory(args.sandbox)
     results = []
-    for task in tqdm(load_tasks(args.dir), desc="tasks validate", unit="task"):
-        results.append(validate_task(task, factory))
+    tasks = load_tasks(args.dir)
+    with progress(len(tasks), desc="tasks validate", unit="task") as bar:
+        for task in tasks:
+            results.append(validate_task(task, factory))
+            bar.update()
     table = Table("task", "ok", "reason")
     for v in results:
         table.add_row(v.task_id, "[green]yes[/]" if v.ok else "[red]no[/]", v.reason)

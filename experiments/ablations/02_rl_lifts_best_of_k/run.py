@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> dict:
                                         f"eval.success_threshold={raw['success_threshold']}",
                                         f"env.eval_prompts={raw['eval_prompts']}", f"seed={raw['seed']}",
                                         f"output_dir={runs}", "name=ablation02"])
-        import ray
+        from c2jax.rl.system.cluster import shutdown_ray
 
         try:
             out = run_system(cfg)
         finally:
-            ray.shutdown()
+            shutdown_ray()
     k = int(raw["k"])
     evals = [{key: (float(v) if isinstance(v, float) else v) for key, v in row.items()} for row in out["eval"]]
     train = [{"step": r["step"], "reward": r["reward/mean"]} for r in out["history"]]

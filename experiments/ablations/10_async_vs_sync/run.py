@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         raw = raw | {"steps": 5, "env_delay_s": [0.05], "env_delay_sigma": [0.0], "max_staleness": [1],
                      "overrides": ["model.hidden_size=64"]}
-    import ray
+    from c2jax.rl.system.cluster import init_ray, shutdown_ray
 
-    ray.init(num_cpus=int(raw["num_cpus"]), include_dashboard=False, logging_level="ERROR")
+    init_ray(num_cpus=int(raw["num_cpus"]))
     rows = []
     try:
         with tempfile.TemporaryDirectory() as runs:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
                               f"{row['samples_per_s']:.1f} samples/s, learner busy {row['learner_busy']:.2f}, "
                               f"staleness mean {row['staleness_mean']:.2f}", flush=True)
     finally:
-        ray.shutdown()
+        shutdown_ray()
     for row in rows:
         sync = next(r for r in rows if r["env_delay_s"] == row["env_delay_s"] and r["mode"] == "sync"
                     and r["delay_sigma"] == row["delay_sigma"])
