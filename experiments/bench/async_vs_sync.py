@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
+
+from c2jax.machine import describe, finish, summary_line
 
 # The tiny preset widened to hidden 512, so one rl_step (~0.25 s alone, ~0.5 s beside the samplers) is
 # comparable to generating a step's batch (~0.25 s for 4 groups x 8 samples x 16 tokens on one engine), as on
@@ -164,17 +165,20 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    machine = describe()
     if args.group_episodes:
         res = measure_group(args.group_episodes, args.turns)
-        res["loadavg"] = os.getloadavg()
+        res["machine"] = finish(machine)
         print(json.dumps(res, indent=1))
+        print(f"machine: {summary_line(machine)}")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "rl_group_concurrency.json").write_text(json.dumps(res, indent=1))
         return
 
-    import ray
     from rich.console import Console
     from rich.table import Table
+
+    from c2jax.rl.system.cluster import init_ray, shutdown_ray
 
     sigmas = [float(x) for x in args.sigmas.split(",")]
     profiles = args.profiles.split(",")
@@ -184,8 +188,7 @@ def main() -> None:
     warmup = args.warmup or args.max_staleness + 2
     if args.steps <= warmup + 1:
         raise SystemExit(f"--steps {args.steps} leaves no steady-state steps after {warmup} warm-up steps")
-    load_start = os.getloadavg()
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR")
+    init_ray(num_cpus=args.num_cpus)
     out_dir = Path(args.out)
     rows = []
     try:
@@ -198,7 +201,7 @@ def main() -> None:
                     print(f"{profile} sigma {sigma:g} {mode}: {row['samples_per_s']:.1f} samples/s, learner busy "
                           f"{row['learner_busy']:.0%}", flush=True)
     finally:
-        ray.shutdown()
+        shutdown_ray()
     table = Table(title=f"RL throughput: env delay median {args.delay}s/rollout, max_staleness {args.max_staleness}, "
                         f"steps {warmup + 1}..{args.steps}, {args.num_cpus} CPUs")
     cols = ["profile", "delay_sigma", "mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy",
@@ -208,6 +211,7 @@ def main() -> None:
     for r in rows:
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     Console(width=200).print(table)
+    print(f"machine: {summary_line(finish(machine))}")
     speedups = {}
     for profile in profiles:
         for sigma in sigmas:
@@ -221,8 +225,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "async_vs_sync.json").write_text(json.dumps(
         {"config": vars(args), "base_overrides": BASE, "profiles": {p: PROFILES[p] for p in profiles},
-         "results": rows, "async_over_sync": speedups,
-         "cpu_count": os.cpu_count(), "load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()},
+         "results": rows, "async_over_sync": speedups, "machine": machine},
         indent=1))
     print(f"wrote {out_dir / 'async_vs_sync.json'}")
 

@@ -20,9 +20,11 @@ from c2jax.data.bpe import corpus_texts, train_bpe
 from c2jax.data.config import DataConfig
 from c2jax.data.demo_corpus import default_roots
 from c2jax.data.pipeline import build_batches
+from c2jax.machine import describe, finish, summary_line
 
 SHAPES = ((8, 512), (16, 2048))
-# docs/ARCHITECTURE.md: the small preset's 8x512 training step takes 2.04-2.57 s on the 2-core VM
+# docs/ARCHITECTURE.md: the small preset's 8x512 training step takes 2.04-2.57 s on a 2-core AVX-512 VM
+# (CPU model and load not recorded)
 _MODEL_TOKENS_PER_S_FALLBACK = 8 * 512 / 2.04
 
 
@@ -68,6 +70,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bpe-corpus-bytes", type=int, default=20_000_000)
     parser.add_argument("--out", default="runs/bench/data_throughput.json")
     args = parser.parse_args(argv)
+    machine = describe()
 
     bpe_dir = Path("runs/bench/bpe_tokenizer")
     start = time.perf_counter()
@@ -91,11 +94,13 @@ def main(argv=None) -> int:
         print(f"{r['tokenizer']:>10} {r['batch']:>5} {r['seq_len']:>5} {r['tokens_per_s']:>10,.0f} "
               f"{r['x_model_rate']:>8.1f} {r['seconds_per_batch']:>8.3f} {r['packing_efficiency']:>7.3f} "
               f"{r['loss_token_fraction']:>6.3f} {r['startup_s']:>9.1f}")
+    print(f"machine: {summary_line(finish(machine))}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "model_tokens_per_s": model_rate, "model_rate_source": model_source,
                                "bpe_train_seconds": bpe_train_s, "bpe_corpus_bytes": args.bpe_corpus_bytes,
-                               "min_x_model_rate": float(np.min([r["x_model_rate"] for r in rows]))},
+                               "min_x_model_rate": float(np.min([r["x_model_rate"] for r in rows])),
+                               "machine": machine},
                               indent=2) + "\n")
     print(f"wrote {out}")
     return 0

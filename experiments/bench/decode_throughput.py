@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from c2jax.machine import describe, finish, summary_line  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token  # noqa: E402
 from c2jax.models.transformer import init  # noqa: E402
@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="runs/bench/decode_throughput.json")
     args = ap.parse_args(argv)
+    machine = describe()
 
     cfg = preset("small").replace(num_nextn_predict_layers=0)  # MTP is not used for decoding
     model = init(cfg, seed=0)
@@ -114,11 +115,12 @@ def main(argv=None) -> int:
               f"{hf['tokens_per_s']:>9.1f} {hf['ttft_s']:>8.3f} | {(r['speedup'] or float('nan')):>7.2f}x")
     print(f"cache bytes/token (fp32, all layers): latent {latent}, expanded K/V {expanded} "
           f"({expanded / latent:.1f}x larger)")
+    print(f"machine: {summary_line(finish(machine))}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new, "chunk_steps": args.chunk_steps,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "machine": machine,
         "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded}, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -33,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from c2jax.machine import describe, finish, summary_line
 from c2jax.rl.harness.registry import ToolCall, ToolContext
 from c2jax.rl.harness.tools import default_registry
 from c2jax.rl.sandbox import Limits, SandboxPool, find_bwrap
@@ -209,14 +209,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--out", default="runs/bench/env_throughput.json")
     args = ap.parse_args()
-    results: dict = {"machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
-                                 "load_avg_1m_at_start": os.getloadavg()[0]}}
+    results: dict = {"machine": describe()}
     with tempfile.TemporaryDirectory(prefix="env-bench-") as tmp, SandboxPool(limits=Limits()) as pool:
         bench = Bench(pool=pool, repo=make_repo(Path(tmp)), repeats=args.repeats)
         for section in SECTIONS:
             results[section.__name__.removeprefix("section_")] = section(bench)
-    results["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+    finish(results["machine"])
     _print_table(results)
+    print(f"machine: {summary_line(results['machine'])}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from c2jax.machine import describe, finish, summary_line
 from c2jax.models.config import ModelConfig, preset
 from c2jax.models.flops import training_flops_per_token
 from c2jax.models.transformer import init
@@ -115,6 +115,7 @@ def main(argv=None):
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default="runs/bench/model_throughput.json")
     args = parser.parse_args(argv)
+    machine = describe()
 
     # Unrolled layers by default: with 4 layers compile time is no concern, and on XLA:CPU the scan's
     # stacked residuals (dynamic-update-slice in, dynamic-slice out) cost time: measured 2.07 s/step with
@@ -161,8 +162,7 @@ def main(argv=None):
     result = {
         "preset": args.preset, "batch": args.batch, "seq": args.seq, "moe_impl": cfg.moe_impl,
         "scan_layers": cfg.scan_layers, "tokens_per_step": tokens_per_step, "train_flops_per_token": flops_per_token,
-        "matmul_peak_flops": peak, "cpu_count": os.cpu_count(), "machine": platform.machine(),
-        "jax": jax.__version__, "torch_threads": torch_threads, "results": rows,
+        "matmul_peak_flops": peak, "machine": finish(machine), "torch_threads": torch_threads, "results": rows,
     }
     if "hf" in rows:
         result["speedup_vs_hf"] = rows["c2jax"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
@@ -175,6 +175,7 @@ def main(argv=None):
               f"{row['mfu']:>8.1%}{row['mfu_best_step']:>10.1%}{row['first_step_s']:>14.1f}")
     if "speedup_vs_hf" in result:
         print(f"c2jax / hf tokens/s: {result['speedup_vs_hf']:.2f}x")
+    print(f"machine: {summary_line(machine)}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -30,6 +29,7 @@ from c2jax.kernels.grouped_gemm import grouped_matmul
 from c2jax.kernels.mxfp8 import quantize_mx
 from c2jax.kernels.nvfp4 import quantize_nvfp4
 from c2jax.kernels.permute import permute_quantize_mx
+from c2jax.machine import describe, finish, summary_line
 
 PEAK_TFLOPS = {"H100": (989, 1979), "H200": (989, 1979), "B200": (2250, 4500)}  # (bf16, fp8) dense
 
@@ -122,8 +122,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/bench/moe_kernels.json")
     args = p.parse_args(argv)
-    report = {"backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
-              "cpu_count": os.cpu_count(), "jax": jax.__version__,
+    report = {"backend": jax.default_backend(), "machine": describe(),
               "candidates": [i.name for i, _ in dispatch.candidates("grouped_matmul")]}
     shape = dict(rows=args.rows, d=args.d, f=args.f, experts=args.experts)
     report["cpu_shape"] = shape
@@ -141,6 +140,7 @@ def main(argv=None):
         print(f"  {name:24s} {v['ms']:8.2f} ms {v['GB/s_read']:7.2f} GB/s read")
     if "gpu" in report:
         print(json.dumps(report["gpu"], indent=1))
+    print(f"machine: {summary_line(finish(report['machine']))}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=1)

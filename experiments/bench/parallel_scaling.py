@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from c2jax.config import MeshConfig
+from c2jax.machine import describe, finish, summary_line
 from c2jax.mesh import activation_rules, batch_shardings, jit_sharded, make_mesh, place_on_mesh, shard_state
 from c2jax.models.config import preset
 from c2jax.models.transformer import init
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default="runs/bench/parallel_scaling.json")
     args = p.parse_args(argv)
+    machine = describe()
     # unrolled layers: each collective of each layer appears in the HLO, so byte counts are per step
     cfg = dataclasses.replace(preset("small"), scan_layers=False, num_nextn_predict_layers=0)
     rows = []
@@ -131,10 +133,11 @@ def main(argv=None) -> int:
             kinds = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in r["comm_bytes_per_device"].items()) or "-"
             print(f"{r['devices']:>3}  {mesh:<28} {r['step_s'] * 1e3:9.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
                   f"comm {r['comm_total_mb']:8.1f} MB/device  ({kinds})", flush=True)
+    print(f"machine: {summary_line(finish(machine))}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": jax.default_backend(), "preset": "small", "seq": args.seq,
-                               "global_batch": args.batch, "results": rows}, indent=2))
+                               "global_batch": args.batch, "results": rows, "machine": machine}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import jax
 from c2jax.config import from_dict, to_dict
 from c2jax.data.config import DataConfig
 from c2jax.data.pipeline import build_batches
+from c2jax.machine import describe, finish, summary_line
 from c2jax.models.config import preset
 from c2jax.train.config import PretrainConfig
 from c2jax.train.loop import Trainer
@@ -46,6 +46,7 @@ def main(argv=None):
     p.add_argument("--data-batches", type=int, default=200)
     p.add_argument("--out", default="runs/bench/pretrain_throughput.json")
     args = p.parse_args(argv)
+    machine = describe()
 
     data = DataConfig(tokenizer="bytes", seq_len=args.seq, batch_size=args.batch)
     model = preset(args.preset)
@@ -71,8 +72,7 @@ def main(argv=None):
         "preset": args.preset, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
         "device": jax.devices()[0].device_kind, "loop_tokens_per_s": loop_tps, "mfu": mfu,
         "warmup_s": compile_s, "data_tokens_per_s": data_tps, "data_over_model": data_tps / loop_tps,
-        "final_loss": rows[-1]["loss"],
-        "cpu_count": os.cpu_count(), "load_avg_1_5_15_end": os.getloadavg(),  # shared machines: context
+        "final_loss": rows[-1]["loss"], "machine": finish(machine),
     }
     print(f"| {'measure':<34} | {'value':>12} |\n|{'-' * 36}|{'-' * 14}|")
     for name, key, fmt in [("train loop tokens/s (data incl.)", "loop_tokens_per_s", "{:12.0f}"),
@@ -83,6 +83,7 @@ def main(argv=None):
         print(f"| {name:<34} | {fmt.format(result[key]):>12} |")
     ok = result["data_over_model"] >= 10
     print(f"data pipeline >= 10x the model's token rate: {'yes' if ok else 'NO'}")
+    print(f"machine: {summary_line(machine)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
