@@ -23,6 +23,8 @@ def test_demo_quick_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"tensorboard --logdir {out}" in proc.stdout
+    # output to a pipe (a log file, CI): plain lines, no progress-bar frames
+    assert "\r" not in proc.stdout + proc.stderr, [x[-200:] for x in (proc.stdout + proc.stderr).split("\r")[:3]]
 
     report = (out / "REPORT.md").read_text()
     for section in ("Kimi K2.5", "Pretraining", "Asynchronous RL", "before and after RL", "Hugging Face",

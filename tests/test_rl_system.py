@@ -312,8 +312,10 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
     """The tiny MoE model end to end: InferenceEngine samplers with in-flight swaps, rl_step on the learner
     actor with router replay (on by default for MoE), Orbax checkpoints; the reward rises in 10 steps, and in
     the same run in sync mode. Step 1 trains version-0 tokens on version-0 weights: replaying the sampler's
-    experts, the learner reproduces its logprobs, and the plausibility filter fires at most on each
-    sequence's final token (which the sampler never ran as an input: 1 of the 6 positions)."""
+    experts, the learner reproduces its logprobs, and on a batch sampled with the learner's own weights
+    (staleness 0: step 1, and every sync step) the plausibility filter fires at most on each sequence's
+    final token (which the sampler never ran as an input: 1 of the 6 positions). On a stale batch the
+    learner's router has moved since sampling, so the filter may fire more: only bounded by 1 there."""
     from c2jax.rl.system.reconciler import run_system
 
     rises = {}
@@ -327,7 +329,8 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
         for row in out["history"]:
             assert row["staleness/max"] <= (1 if mode == "async" else 0) and row["tokens_trained"] == 4 * 8 * 4
             assert np.isfinite(row["loss"]) and row["sync/bytes"] > 0
-            assert 0.0 <= row["replay/override_fraction"] <= 1 / 6
+            on_policy = row["staleness/max"] == 0  # how often async steps are stale depends on timing
+            assert 0.0 <= row["replay/override_fraction"] <= (1 / 6 if on_policy else 1.0)
         first = out["history"][0]
         assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
         assert first["replay/override_fraction"] == 0.0  # the first batch was sampled with the learner's weights

@@ -595,9 +595,12 @@ def stage_hf(cfg: DemoConfig, out: Path, model, probe_ids: list[int]) -> dict:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from c2jax.models import hf
 
+    if not sys.stderr.isatty():  # transformers' loading bar is tqdm: carriage-return frames in a log
+        hf_logging.disable_progress_bar()
     path = out / "hf"
     hf.save_pretrained(model, path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -85,8 +85,11 @@ def init_ray(*, num_cpus: int | None = None, address: str | None = None, logging
     _launcher_dir = Path(tempfile.mkdtemp(prefix="c2jax-ray-"))
     log = _launcher_dir / "launcher.log"
     fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+    # Ports of its own for the services `ray start` gives fixed defaults (client server 10001, dashboard
+    # agent 52365), so two clusters on one machine (two test workers, a demo beside a run) do not collide.
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
             f"--temp-dir={_launcher_dir}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
             "--disable-usage-stats"]
     if num_cpus is not None:
         argv.append(f"--num-cpus={num_cpus}")
