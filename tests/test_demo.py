@@ -23,6 +23,7 @@ def test_demo_quick_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"tensorboard --logdir {out}" in proc.stdout
+    assert "os.fork() was called" not in proc.stderr  # no fork of the JAX process (Ray, sandboxes)
     # output to a pipe (a log file, CI): plain lines, no progress-bar frames
     assert "\r" not in proc.stdout + proc.stderr, [x[-200:] for x in (proc.stdout + proc.stderr).split("\r")[:3]]
 
