@@ -10,6 +10,7 @@ score = (q_nope.k_nope + RoPE(q_rope).k_r) * softmax_scale
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from c2jax.models.attention_backends import attention
 from c2jax.models.config import ModelConfig
 from c2jax.models.context_parallel import ContextParallelMask, balanced_order, inverse_order
 from c2jax.models.layers import RMSNorm, dense, param
@@ -29,8 +31,17 @@ _NEG_INF = -1e30  # finite, so fully masked rows (padding) stay NaN-free
 _CAUSAL_BLOCK = 128
 
 
+class AttentionMask(NamedTuple):
+    """What self-attention masks by, never an S x S array: causal by index, and with packing (segment_ids
+    [B, S]) only within the same document. The backend (models/attention_backends.py) builds per-block masks
+    from it (or, for the small-S dense path, the dense mask)."""
+
+    segment_ids: jnp.ndarray | None = None
+
+
 def attention_mask(segment_ids: jnp.ndarray | None, batch: int, seq: int) -> jnp.ndarray:
-    """[B, 1, S, S] boolean: causal, and (with packing) only within the same document."""
+    """[B, 1, S, S] boolean: causal, and (with packing) only within the same document. The dense form of
+    AttentionMask, for `dot_product_attention` (the small-S oracle)."""
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None, None]
     if segment_ids is None:
         return jnp.broadcast_to(causal, (batch, 1, seq, seq))
@@ -156,14 +167,18 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         return jnp.concatenate([q_nope, apply_rope(q_rope, cos, sin, cfg.rope_interleave)], axis=-1)
 
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask: AttentionMask | ContextParallelMask):
         if isinstance(mask, ContextParallelMask):
             return self._context_parallel(x, cos, sin, mask)
+        if not isinstance(mask, AttentionMask):
+            raise TypeError(f"mask must be an AttentionMask (segment ids) or a ContextParallelMask, got "
+                            f"{type(mask).__name__}: attention never takes an S x S mask")
         cfg = self.cfg
         q = self.roped_queries(x, cos, sin)
         k, v = self.expand(*self.latents(x, cos, sin))
-        # `mask` comes from attention_mask: causal, so key blocks above the diagonal can be skipped
-        out = dot_product_attention(q, k, v, mask, cfg.softmax_scale, causal_block=_CAUSAL_BLOCK)
+        # the platform's backend (models/attention_backends.py; $C2JAX_ATTENTION overrides): on CPU the dense
+        # path up to 512 x 512 scores, exact blockwise attention (memory O(S)) beyond
+        out = attention(q, k, v, scale=cfg.softmax_scale, segment_ids=mask.segment_ids)
         return jnp.einsum("bshv,hvd->bsd", out, self.o_proj[...].astype(x.dtype))
 
     def _context_parallel(self, x, cos, sin, cp_mask: ContextParallelMask):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from c2jax.models.attention import MLAttention, attention_mask
+from c2jax.models.attention import AttentionMask, MLAttention
 from c2jax.models.config import ModelConfig
 from c2jax.models.context_parallel import (
     ContextParallelMask,
@@ -172,7 +172,7 @@ class Transformer(nnx.Module):
             replay_ids = None if replay_ids is None else replay_ids[:, :, order]
             mask = ContextParallelMask(segment_ids, jnp.asarray(order, jnp.int32))
         else:
-            mask = attention_mask(segment_ids, batch, seq)
+            mask = AttentionMask(segment_ids)
         cos, sin = rope_tables(cfg, positions)
         x = self.embed(input_ids if order is None else input_ids[:, order])
         if self.dense_layers is not None:

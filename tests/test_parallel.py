@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 from c2jax.config import ConfigError, MeshConfig
 from c2jax.mesh import activation_rules, batch_shardings, make_mesh, shard_state, state_shardings
-from c2jax.models.attention import MLAttention, attention_mask
+from c2jax.models.attention import AttentionMask, MLAttention
 from c2jax.models.config import preset
 from c2jax.models.context_parallel import ContextParallelMask, balanced_order, inverse_order
 from c2jax.models.logical import logical_rules
@@ -113,7 +113,7 @@ def test_context_parallel_attention_equals_unsharded(cp):
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     seg = (jnp.arange(seq)[None, :] >= 23).astype(jnp.int32) + jnp.arange(batch)[:, None] % 2
     cos, sin = rope_tables(cfg, positions)
-    want = attn(x, cos, sin, attention_mask(seg, batch, seq))
+    want = attn(x, cos, sin, AttentionMask(seg))
 
     mesh_cfg = MeshConfig(data=8 // cp, context=cp)
     mesh = make_mesh(mesh_cfg)
