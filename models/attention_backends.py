@@ -147,6 +147,8 @@ def _dense(q, k, v, *, scale, q_segment_ids=None, kv_segment_ids=None, q_positio
     # its causal_block promise (nothing above the diagonal) holds for index-causal masks only
     index_causal = causal and q_positions is None and kv_positions is None and num_q == num_k
     out = mla.dot_product_attention(q, k, v, mask, scale, causal_block=mla._CAUSAL_BLOCK if index_causal else None)
+    if index_causal and q_segment_ids is kv_segment_ids:  # self-attention: every row sees itself
+        return out
     # dot_product_attention averages all values for a row that sees nothing; the contract is zeros
     seen = mask[:, 0].any(-1)  # [B, Sq]
     return out * seen[:, :, None, None].astype(out.dtype)

@@ -186,12 +186,15 @@ def _wait_for_lines(path: Path, lines: int, proc, timeout_s: float = 300.0) -> N
 
 
 def test_resume_after_kill_9_gives_the_same_losses_bitwise(tmp_path):
-    # the killed run starts once the straight run has logged a step, i.e. compiled its train step into the
-    # shared cache (two cold compiles at once on two cores took 117 s of a CI run)
+    # the killed run starts once the straight run has finished, so every program it needs (three train-step
+    # variants: before and after MTP init, and the grad-accumulating SFT phase) is in the shared compilation
+    # cache: overlapping them made both compile the later variants at once (92-137 s under two xdist workers,
+    # 117 s of an earlier CI run with a one-step overlap)
     straight = _worker(tmp_path, "straight")
     procs = [straight]
     try:
-        _wait_for_lines(tmp_path / "straight" / "metrics.jsonl", 1, straight)
+        out = straight.communicate(timeout=300)[0].decode()
+        assert straight.returncode == 0, out[-3000:]
         killed = _worker(tmp_path, "killed")
         procs.append(killed)
         metrics = tmp_path / "killed" / "metrics.jsonl"
@@ -200,10 +203,10 @@ def test_resume_after_kill_9_gives_the_same_losses_bitwise(tmp_path):
         killed.send_signal(signal.SIGKILL)
         killed.wait()
         assert len(metrics.read_text().splitlines()) < 8
-        procs.append(_worker(tmp_path, "killed"))
-        for p in (straight, procs[-1]):
-            out = p.communicate(timeout=300)[0].decode()
-            assert p.returncode == 0, out[-3000:]
+        resumed = _worker(tmp_path, "killed")
+        procs.append(resumed)
+        out = resumed.communicate(timeout=300)[0].decode()
+        assert resumed.returncode == 0, out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
