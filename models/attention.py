@@ -209,12 +209,11 @@ class MLAttention(nnx.Module):
             key_segments = gather(segments) if has_segments else None
 
             def part(rows, num_keys):
-                allowed = (jnp.arange(num_keys)[None, :] <= q_index[rows, None])[None, None]
-                if has_segments:
-                    same = segments[:, rows, None] == key_segments[:, None, :num_keys]
-                    allowed = allowed & same[:, None]
-                return dot_product_attention(q[:, rows], k[:, :num_keys], v[:, :num_keys], allowed,
-                                             cfg.softmax_scale)
+                # causal by original position (the keys are in original order), within documents
+                return attention(q[:, rows], k[:, :num_keys], v[:, :num_keys], scale=cfg.softmax_scale,
+                                 q_segment_ids=segments[:, rows] if has_segments else None,
+                                 kv_segment_ids=key_segments[:, :num_keys] if has_segments else None,
+                                 q_positions=q_index[rows], kv_positions=jnp.arange(num_keys, dtype=jnp.int32))
 
             out = jnp.concatenate([part(slice(0, chunk), cp * chunk), part(slice(chunk, 2 * chunk), seq)], 1)
             return jnp.einsum("bshv,hvd->bsd", out, attn.o_proj[...].astype(x.dtype))

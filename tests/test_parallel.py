@@ -104,8 +104,10 @@ def test_balanced_order_layout_and_round_trip():
         balanced_order(12, 4)
 
 
-@pytest.mark.parametrize("cp", [2, 4, 8])
-def test_context_parallel_attention_equals_unsharded(cp):
+@pytest.mark.parametrize("cp, backend", [(2, None), (4, None), (8, None), (4, "blockwise")])
+def test_context_parallel_attention_equals_unsharded(cp, backend, monkeypatch):
+    """Per-rank attention by original positions equals the unsharded layer: under the platform default
+    (dense at these sizes) and with the blockwise backend forced on the ranks."""
     cfg = preset("tiny")
     attn = MLAttention(cfg, nnx.Rngs(params=3))
     batch, seq = 8 // cp, 64
@@ -124,6 +126,9 @@ def test_context_parallel_attention_equals_unsharded(cp):
     def run(x):
         with logical_rules(mesh, activation_rules(mesh_cfg)):
             return attn(x[:, order], cos_p, sin_p, ContextParallelMask(seg[:, order], jnp.asarray(order)))
+
+    if backend is not None:
+        monkeypatch.setenv("C2JAX_ATTENTION", backend)  # read while `run` traces
 
     got = np.asarray(run(x))[:, inverse_order(order)]
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
