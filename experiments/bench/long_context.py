@@ -2,7 +2,9 @@
 sequence lengths, per remat policy: compile seconds, XLA's temporary bytes (compiled memory analysis), the
 process's peak RSS, tokens/s and model FLOP/s counting causal attention (c2jax.models.flops).
 
-    python -m experiments.bench.long_context [--preset small --seqs 2048,8192,32768 --remat full,none]
+    python -m experiments.bench.long_context [--preset small --seqs 2048,8192,32768 --remat full]
+
+`--remat none` (the model's default policy) at 32k needs more memory than a 24 GB machine may have.
 
 What it shows: whether attention's memory and program size stay linear / constant in S (docs/attention.md).
 Targets (issue 19, 2 CPU cores, `small`): with remat full, S = 32k within 4 GB of temporaries; compile time
@@ -35,8 +37,9 @@ def peak_rss_gib() -> float:
 
 
 def measure(preset_name: str, seq: int, remat: str, steps: int) -> dict:
-    cfg = preset(preset_name).replace(remat_policy=remat, num_nextn_predict_layers=0,
-                                      max_position_embeddings=max(seq, preset(preset_name).max_position_embeddings))
+    base = preset(preset_name)
+    cfg = base.replace(remat_policy=remat, num_nextn_predict_layers=0,
+                       max_position_embeddings=max(seq, base.max_position_embeddings))
     tx = optax.adamw(1e-4)
     graphdef, state = init_train_state(init(cfg, seed=0), tx)
     step = make_train_step(graphdef, tx, router_bias_rate=1e-3)
@@ -73,7 +76,6 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="runs/bench/long_context.json")
     args = p.parse_args(argv)
     machine = describe()
-    print(summary_line(machine), flush=True)
     rows = []
     for remat in args.remat.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
@@ -83,8 +85,7 @@ def main(argv=None) -> dict:
                   f"temp {row['temp_bytes'] / 2**30:6.2f} "
                   f"GiB  peak RSS {row['peak_rss_gib']:5.2f} GiB  {row['tokens_per_s']:7.1f} tokens/s  "
                   f"{row['model_flops_per_s'] / 1e9:6.1f} GFLOP/s", flush=True)
-    finish(machine)
-    print(summary_line(machine))
+    print(f"machine: {summary_line(finish(machine))}")
     out = {"preset": args.preset, "rows": rows, "machine": machine}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

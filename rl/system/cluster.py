@@ -101,6 +101,7 @@ def init_ray(*, num_cpus: int | None = None, address: str | None = None, logging
     _launcher = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True,
                                  env={**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0"})
     os.close(fd)
+    atexit.unregister(shutdown_ray)  # registered once, however many clusters this process launches
     atexit.register(shutdown_ray)
     deadline = time.monotonic() + start_timeout_s
     while True:
