@@ -96,6 +96,14 @@ class DistributedConfig:
     num_processes: int = 0  # 0 = detect
     process_id: int = -1  # -1 = detect
     local_device_ids: tuple[int, ...] = ()  # () = all local devices
+    # a process that stops sending heartbeats for this long is declared dead and every other process aborts
+    # with "The following tasks are unhealthy (stopped sending heartbeats)"; JAX's default is 100 s
+    heartbeat_timeout_s: int = 100
+    initialization_timeout_s: int = 300  # how long process i waits for the others to join
+
+    def __post_init__(self):
+        if self.heartbeat_timeout_s <= 0 or self.initialization_timeout_s <= 0:
+            raise ConfigError("distributed: heartbeat_timeout_s and initialization_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

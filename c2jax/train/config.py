@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from c2jax.config import (
     ConfigError,
+    DistributedConfig,
     MeshConfig,
     _resolve_presets,
     apply_overrides,
@@ -95,6 +96,7 @@ class PretrainConfig:
     output_dir: str = "runs"
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-process: c2jax/distributed.py
     data: dict[str, Any] = field(default_factory=dict)  # a c2jax.data DataConfig, validated there
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
