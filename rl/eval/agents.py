@@ -2,8 +2,11 @@
 
   scripted oracle   replays the task's reference through the tools (write the patch, `git apply` it,
                     submit; an eager-editing question is answered with its reference answer): it must
-                    score 100% on a valid suite, which makes it the suite's end-to-end check.
-  scripted noop     submits without doing anything: must score 0% (the base repository fails).
+                    score 100% on a valid suite, which makes it the suite's end-to-end check. On a
+                    Harbor task it is Harbor's oracle: solution/ uploaded to /solution before the
+                    episode, solve.sh run from the working directory (rl/tasks/harbor.py).
+  scripted noop     (or `nop`, Harbor's name) submits without doing anything: must score 0% (the base
+                    repository fails).
   openai URL        `c2jax.rl.harness.OpenAIAgent` against any OpenAI-compatible endpoint.
   checkpoint PATH   a c2jax pretraining run directory (config.yaml + checkpoints/), served by one
                     `InferenceEngine` behind a lock and sampled through `SamplerAgent`.
@@ -14,15 +17,19 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from c2jax.rl.eval.config import AgentConfig
 from c2jax.rl.harness.agents import Agent, ScriptedAgent
+from c2jax.rl.sandbox.base import Sandbox
+from c2jax.rl.tasks.harbor import solve_command, upload_solution
 from c2jax.rl.tasks.task import Task
 
 AgentFactory = Callable[[Task, int], Agent]
 _REF = ".c2jax-reference.patch"
 _SOLVE = ".c2jax-solve.sh"
+_ORACLE_TIMEOUT_S = 3600.0  # asked of the tool, which caps it at the episode's max_command_timeout_s
 
 
 def oracle_turns(task: Task) -> list[list[dict]]:
@@ -32,6 +39,11 @@ def oracle_turns(task: Task) -> list[list[dict]]:
 
     if task.metadata.get("behaviour") == "eager_editing":
         return [[call("submit", message=str(task.metadata.get("reference_answer", "")))]]
+    if task.harbor and task.solution_script is not None:
+        # one command for the whole of solve.sh: bounded by the agent's timeout, as in Harbor
+        timeout = (task.environment.agent_timeout_s if task.environment else None) or _ORACLE_TIMEOUT_S
+        return [[call("run_terminal_cmd", command=solve_command(task), timeout=timeout)],
+                [call("submit", message="Ran the solution.")]]
     if task.solution_patch:
         return [[call("write_file", path=_REF, content=task.solution_patch)],
                 [call("run_terminal_cmd", command=f"git apply --whitespace=nowarn {_REF}; rm -f {_REF}")],
@@ -44,13 +56,30 @@ def oracle_turns(task: Task) -> list[list[dict]]:
                      "scripted oracle")
 
 
+@dataclass
+class HarborOracle(ScriptedAgent):
+    """The oracle on a Harbor task: `setup` uploads solution/ to /solution before the episode starts
+    (Harbor's OracleAgent), so the turns only run solve.sh. Other agents never see /solution."""
+
+    task: Task | None = None
+
+    def setup(self, sandbox: Sandbox) -> None:
+        upload_solution(sandbox, self.task)
+
+
+def _oracle(task: Task) -> Agent:
+    if task.harbor and task.solution_script is not None:
+        return HarborOracle(oracle_turns(task), name="scripted-oracle", task=task)
+    return ScriptedAgent(oracle_turns(task), name="scripted-oracle")
+
+
 def scripted_factory(mode: str = "oracle") -> AgentFactory:
     if mode == "oracle":
-        return lambda task, sample: ScriptedAgent(oracle_turns(task), name="scripted-oracle")
-    if mode == "noop":
+        return lambda task, sample: _oracle(task)
+    if mode in ("noop", "nop"):
         return lambda task, sample: ScriptedAgent([[{"name": "submit", "arguments": {"message": "Done."}}]],
                                                   name="scripted-noop")
-    raise ValueError(f"scripted agent mode must be 'oracle' or 'noop', got {mode!r}")
+    raise ValueError(f"scripted agent mode must be 'oracle', 'noop' or 'nop', got {mode!r}")
 
 
 def openai_factory(cfg: AgentConfig) -> AgentFactory:

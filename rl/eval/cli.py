@@ -1,4 +1,4 @@
-"""`c2jax eval --suite DIR --agent {checkpoint PATH | openai URL | scripted [oracle|noop]} --samples K --out DIR`.
+"""`c2jax eval --suite DIR --agent {checkpoint PATH | openai URL | scripted [oracle|noop|nop]} --samples K --out DIR`.
 
 Also: `c2jax eval --suite DIR --manifest` writes the c2bench manifest (c2bench.json) and prints the
 suite statistics; `c2jax eval --compare RUN_DIR... --out DIR` plots several runs (Pareto, training).
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--suite", default=None,
                         help="task-suite dir, SWE-bench .json/.jsonl, humaneval[:N], or behaviour")
     parser.add_argument("--agent", nargs="+", metavar="KIND [TARGET]", default=None,
-                        help="scripted [oracle|noop] | openai URL | checkpoint RUN_DIR")
+                        help="scripted [oracle|noop|nop] | openai URL | checkpoint RUN_DIR")
     parser.add_argument("--samples", type=int, default=None, help="episodes per task (K)")
     parser.add_argument("--out", default=None, help="run directory (results, report; rerun to resume)")
     parser.add_argument("--config", default=None, help="eval YAML (see experiments/configs/eval_small.yaml)")

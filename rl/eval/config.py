@@ -10,14 +10,14 @@ from c2jax.config import ConfigError, apply_overrides, from_dict, load_yaml
 from c2jax.rl.harness.episode import EpisodeConfig
 
 AGENT_KINDS = ("scripted", "openai", "checkpoint")
-SCRIPTED_MODES = ("oracle", "noop")
+SCRIPTED_MODES = ("oracle", "noop", "nop")  # nop: Harbor's name for noop
 SELECTORS = ("visible_tests", "model_score", "none")
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     """Which agent runs the episodes. `target` is the checkpoint run directory (checkpoint), the base
-    URL (openai), or the scripted mode: "oracle" replays each task's reference, "noop" does nothing."""
+    URL (openai), or the scripted mode: "oracle" replays each task's reference, "noop" (or "nop") does nothing."""
 
     kind: str = "scripted"
     target: str = "oracle"

@@ -15,6 +15,7 @@ grade it with c2jax.rl.tasks.grade in a fresh sandbox (or with the behaviour gra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -34,12 +35,13 @@ from c2jax.rl.eval.behaviour import check_rules, episode_config_for, grade_eager
 from c2jax.rl.eval.config import EvalConfig
 from c2jax.rl.eval.store import ResultStore, SampleResult, check_run_manifest
 from c2jax.rl.eval.suite import fingerprint
-from c2jax.rl.harness.episode import EpisodeTask, run_episode
+from c2jax.rl.harness.episode import EpisodeConfig, EpisodeTask, run_episode
 from c2jax.rl.harness.tools import default_registry
 from c2jax.rl.harness.trajectory import Trajectory, TrajectoryWriter
 from c2jax.rl.sandbox.base import Sandbox
 from c2jax.rl.tasks.build import sandbox_factory as make_sandbox_factory
 from c2jax.rl.tasks.grading import SandboxFactory, grade
+from c2jax.rl.tasks.harbor import open_task_sandbox
 from c2jax.rl.tasks.task import Task
 
 # Scorer for best-of-K: (task, trajectory, episode sandbox) -> float, higher is better.
@@ -140,6 +142,16 @@ def final_message(traj: Trajectory) -> str:
 
 
 # --------------------------------------------------------------------------------------- one job
+def task_episode_config(task: Task, base: EpisodeConfig) -> EpisodeConfig:
+    """`[agent].timeout_sec` is the episode's wall clock and, as in Harbor (no per-command cap below
+    the agent's budget), the longest a single command may run."""
+    timeout = task.environment.agent_timeout_s if task.environment is not None else None
+    if timeout is None:
+        return base
+    return dataclasses.replace(base, wall_clock_s=timeout, max_command_timeout_s=timeout,
+                               default_command_timeout_s=min(base.default_command_timeout_s, timeout))
+
+
 def run_sample(task: Task, sample: int, agent_factory: AgentFactory, cfg: EvalConfig,
                factory: SandboxFactory, *, scorer: Scorer | None = None,
                on_trajectory: Callable[[Trajectory], None] | None = None) -> SampleResult:
@@ -148,10 +160,14 @@ def run_sample(task: Task, sample: int, agent_factory: AgentFactory, cfg: EvalCo
     t0 = time.perf_counter()
     agent = agent_factory(task, sample)
     encode = agent.renderer.encode_env if getattr(agent, "renderer", None) is not None else None
-    episode_cfg = episode_config_for(task, cfg.episode)
+    episode_cfg = task_episode_config(task, episode_config_for(task, cfg.episode))
     selector = 0.0
     try:
-        with factory(task.repo_dir) as sandbox:
+        sandbox, _ = open_task_sandbox(factory, task, "agent")
+        with sandbox:
+            setup = getattr(agent, "setup", None)
+            if callable(setup):  # Harbor's agent setup, e.g. the oracle's /solution upload
+                setup(sandbox)
             traj = run_episode(agent, sandbox, EpisodeTask(task.id, task.prompt(cfg.prompt_level),
                                                            {"category": task.category}),
                                default_registry(), episode_cfg, seed=cfg.seed * 7919 + sample,
@@ -210,7 +226,6 @@ def evaluate(tasks: Sequence[Task], agent_factory: AgentFactory, samples: int | 
              scorer: Scorer | None = None, progress: bool = True, retry_errors: bool = False) -> EvalResults:
     """Runs `samples` episodes of every task and returns all results (including those a previous run in
     `out_dir` already finished). The plain entry point for online evaluation from the RL system."""
-    import dataclasses
 
     cfg = config or EvalConfig()
     if samples is not None:

@@ -45,6 +45,7 @@ class Limits:
     # Added by the sandbox owner (defaults keep the contract above unchanged):
     output_kill_bytes: int = 64 * 1024**2  # a command printing more than this (per stream) is killed
     max_open_files: int = 1024
+    cpus: float | None = None  # CPU quota in cores (a cgroup cpu controller); None = no cap
 
 
 class Sandbox(abc.ABC):
@@ -91,6 +92,13 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def upload_dir(self, source: str | Path, target: str) -> Path:
+        """Copies host directory `source` to absolute path `target` inside the sandbox (Harbor's
+        `upload_dir`: /solution, /tests, /logs); later commands see it read-write. Returns the host
+        directory holding the copy. Backends that cannot place files outside the workspace refuse."""
+        raise SandboxError(f"{type(self).__name__} cannot place {str(source)!r} at {target!r}: only the "
+                           "workspace exists in it (use the bwrap backend)")
 
     def read_text(self, path: str) -> str:
         return self.read_bytes(path).decode("utf-8", errors="replace")

@@ -5,8 +5,10 @@ Each `exec` starts `bwrap` with: all namespaces unshared (no network: only `lo`)
 new session (no TIOCSTI into our terminal), death with the parent, a cleared environment, read-only
 binds of /usr (and the /bin, /lib... symlinks), of a minimal generated /etc and of the Python install
 (sys.prefix and sys.base_prefix at their own paths, so graders can run the venv's pytest), a private
-size-capped tmpfs /tmp, and the workspace read-write at /workspace. Nothing else of the host exists
-inside: not /root, /home, /work, /etc/shadow, nor the other sandboxes' state.
+size-capped tmpfs /tmp, and the workspace read-write at /workspace (or the task's `workdir`). Nothing
+else of the host exists inside: not /root, /home, /work, /etc/shadow, nor the other sandboxes' state.
+`upload_dir` adds a private read-write copy of a host directory at an absolute path (Harbor's
+/solution, /tests, /logs) for every later command.
 
 When the command's process exits, bwrap (pid 1 of the sandbox's pid namespace) exits and the kernel
 kills every process left in it, so nothing keeps running between commands, and host-side file
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -41,6 +44,27 @@ _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "loc
 _PASSWD = f"root:x:0:0:root:/nonexistent:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/sh\n" \
           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
 _GROUP = f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
+
+
+# Paths the sandbox's own mounts occupy: a workspace or an upload placed on, under or above one of
+# these would hide the system or the sandbox's /proc, /dev, /tmp.
+_RESERVED = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/tmp")
+
+
+def check_mount_point(path: str, what: str) -> str:
+    """`path` normalized, or ValueError naming `what` when it is not an absolute path the sandbox can
+    mount on (the root, a system directory, the Python install, or a path inside one of them)."""
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
+        raise ValueError(f"{what} must be an absolute path, got {path!r}")
+    norm = posixpath.normpath(path)
+    if norm.startswith("//"):
+        norm = norm[1:]
+    reserved = _RESERVED + tuple(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix))
+    for r in reserved:
+        if norm == "/" or norm == r or norm.startswith(r.rstrip("/") + "/") or r.startswith(norm + "/"):
+            raise ValueError(f"{what} {path!r} would cover or sit inside the sandbox's own {r}; use a "
+                             "directory of its own such as /app")
+    return norm
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,13 +156,19 @@ class BwrapSandbox(HostWorkspaceSandbox):
     """An isolated workspace over `source` (a repository directory, or a shared `BaseSnapshot`).
 
     `mode` is 'overlay' (default where the host can mount overlayfs) or 'copy'. `extra_ro_binds` maps
-    host paths to sandbox paths that are bound read-only (e.g. a shared data directory).
+    host paths to sandbox paths that are bound read-only (e.g. a shared data directory). `workdir` is
+    where the workspace appears and commands start (a Harbor task's `[environment].workdir`); `env`
+    is set for every command, under the per-command `env`.
     """
 
     def __init__(self, source: str | os.PathLike | BaseSnapshot, *, limits: Limits | None = None,
                  state_dir: Path | None = None, mode: str | None = None,
-                 extra_ro_binds: dict[str, str] | None = None, _fork_of: BwrapSandbox | None = None,
+                 extra_ro_binds: dict[str, str] | None = None, workdir: str = WORKSPACE,
+                 env: dict[str, str] | None = None, _fork_of: BwrapSandbox | None = None,
                  _pool: SandboxPool | None = None):
+        self.workdir = check_mount_point(workdir, "workdir")
+        self._env = dict(env or {})
+        self._uploads: dict[str, Path] = {}  # sandbox path -> host copy, bound read-write
         self.limits = limits if limits is not None else Limits()
         self._pool = _pool  # its reaper does our teardown, so close() does not wait on unmount/rmtree
         self._bwrap = find_bwrap()
@@ -179,6 +209,25 @@ class BwrapSandbox(HostWorkspaceSandbox):
         """Whether memory and process caps are enforced by a cgroup (else by rlimits only)."""
         return self._cgroup is not None
 
+    @property
+    def cpu_limited(self) -> bool:
+        """Whether `limits.cpus` is enforced (a writable cgroup cpu controller); else no CPU cap."""
+        return self._cgroup is not None and self._cgroup.cpu_limited
+
+    def upload_dir(self, source: str | os.PathLike, target: str) -> Path:
+        self._check_open()
+        inside = check_mount_point(target, "upload target")
+        if inside in self._uploads:
+            raise SandboxError(f"{inside} is already mounted in this sandbox")
+        if inside == self.workdir or inside.startswith(self.workdir + "/") or self.workdir.startswith(inside + "/"):
+            raise SandboxError(f"upload target {inside} overlaps the workspace at {self.workdir}")
+        host = self._dir / "uploads" / str(len(self._uploads))
+        host.parent.mkdir(exist_ok=True)
+        shutil.copytree(source, host, symlinks=True)
+        self._uploads[inside] = host
+        self._argv = self._static_argv()
+        return host
+
     def _static_argv(self) -> list[str]:
         argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
@@ -187,7 +236,9 @@ class BwrapSandbox(HostWorkspaceSandbox):
                 # under /tmp, and a later tmpfs would hide it
                 "--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
                 *_system_args(self._state_dir),
-                "--bind", str(self._workspace.merged), WORKSPACE]
+                "--bind", str(self._workspace.merged), self.workdir]
+        for inside, host in self._uploads.items():
+            argv += ["--bind", str(host), inside]
         for host, inside in self._extra.items():
             argv += ["--ro-bind", host, inside]
         return argv + ["--remount-ro", "/"]  # the sandbox's root tmpfs; /workspace and /tmp stay writable
@@ -201,11 +252,11 @@ class BwrapSandbox(HostWorkspaceSandbox):
         inner_env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
                      "USER": "agent",
                      "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-                     "PYTEST_ADDOPTS": "-p no:cacheprovider", **(env or {})}
+                     "PYTEST_ADDOPTS": "-p no:cacheprovider", **self._env, **(env or {})}
         argv = [*self._prefix, *self._argv]
         for k, v in inner_env.items():
             argv += ["--setenv", k, v]
-        argv += ["--chdir", f"{WORKSPACE}/{rel}" if rel != "." else WORKSPACE, "--", "/bin/sh", "-c", command]
+        argv += ["--chdir", f"{self.workdir}/{rel}" if rel != "." else self.workdir, "--", "/bin/sh", "-c", command]
         return run_captured(argv, limits=self.limits,
                             timeout_s=self.limits.timeout_s if timeout_s is None else timeout_s,
                             env={}, stdin=stdin)
@@ -216,8 +267,12 @@ class BwrapSandbox(HostWorkspaceSandbox):
 
     def fork(self) -> BwrapSandbox:
         self._check_open()
-        return BwrapSandbox(self._snapshot, limits=self.limits, state_dir=self._state_dir, mode=self._mode,
-                            extra_ro_binds=self._extra, _fork_of=self, _pool=self._pool)
+        child = BwrapSandbox(self._snapshot, limits=self.limits, state_dir=self._state_dir, mode=self._mode,
+                             extra_ro_binds=self._extra, workdir=self.workdir, env=self._env, _fork_of=self,
+                             _pool=self._pool)
+        for inside, host in self._uploads.items():
+            child.upload_dir(host, inside)
+        return child
 
     def _teardown(self) -> None:
         if getattr(self, "_workspace", None) is not None:

@@ -8,6 +8,9 @@ Fallback (no writable cgroup): RLIMIT_AS for memory. There is no process-count f
 running as host root, RLIMIT_NPROC is not enforced inside bwrap's user namespace (40 forks passed a
 limit of 20), so without a pids cgroup a fork bomb is bounded only by the wall timeout.
 RLIMIT_FSIZE, RLIMIT_NOFILE and RLIMIT_CORE=0 are always applied.
+
+A CPU quota (`Limits.cpus`, a task's Harbor `cpus`) needs the cpu controller too (cgroup v1
+`cpu.cfs_quota_us`, v2 `cpu.max`); where it is not writable there is no CPU cap, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class CgroupLayout:
     version: int  # 1 or 2
     memory_parent: Path
     pids_parent: Path
+    cpu_parent: Path | None = None  # None: no writable cpu controller, so `Limits.cpus` is not enforced
 
 
 def _own_paths() -> dict[str, str]:
@@ -57,7 +61,9 @@ def detect_cgroups() -> CgroupLayout | None:
     if "memory" in own and "pids" in own:  # v1 (possibly hybrid with a v2 'unified' mount)
         mem, pids = _V1_ROOT / "memory" / own["memory"], _V1_ROOT / "pids" / own["pids"]
         if (mem / "memory.limit_in_bytes").exists() and _writable_dir(mem) and _writable_dir(pids):
-            return CgroupLayout(1, mem, pids)
+            cpu = _V1_ROOT / "cpu" / own["cpu"] if "cpu" in own else None
+            usable = cpu is not None and (cpu / "cpu.cfs_quota_us").exists() and _writable_dir(cpu)
+            return CgroupLayout(1, mem, pids, cpu if usable else None)
         return None
     if "" in own and (_V1_ROOT / "cgroup.controllers").exists():  # pure v2
         parent = _V1_ROOT / own[""]
@@ -66,8 +72,17 @@ def detect_cgroups() -> CgroupLayout | None:
         except OSError:
             return None
         if {"memory", "pids"} <= set(enabled) and _writable_dir(parent):
-            return CgroupLayout(2, parent, parent)
+            return CgroupLayout(2, parent, parent, parent if "cpu" in enabled else None)
     return None
+
+
+_CPU_PERIOD_US = 100_000
+
+
+def _cpu_quota_us(cpus: float) -> int:
+    if not cpus > 0:
+        raise ValueError(f"Limits.cpus must be positive, got {cpus}")
+    return max(1000, int(cpus * _CPU_PERIOD_US))  # the kernel's minimum quota is 1 ms
 
 
 class SandboxCgroup:
@@ -86,6 +101,12 @@ class SandboxCgroup:
             if swap.exists():
                 swap.write_text(str(limits.memory_bytes))
             (pids / "pids.max").write_text(str(limits.max_processes))
+            if limits.cpus is not None and layout.cpu_parent is not None:
+                cpu = layout.cpu_parent / name
+                cpu.mkdir()
+                self.dirs.append(cpu)
+                (cpu / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD_US))
+                (cpu / "cpu.cfs_quota_us").write_text(str(_cpu_quota_us(limits.cpus)))
         else:
             group = layout.memory_parent / name
             group.mkdir()
@@ -94,6 +115,9 @@ class SandboxCgroup:
             if (group / "memory.swap.max").exists():
                 (group / "memory.swap.max").write_text("0")
             (group / "pids.max").write_text(str(limits.max_processes))
+            if limits.cpus is not None and layout.cpu_parent is not None:
+                (group / "cpu.max").write_text(f"{_cpu_quota_us(limits.cpus)} {_CPU_PERIOD_US}")
+        self.cpu_limited = limits.cpus is not None and layout.cpu_parent is not None
         self.procs_files = [str(d / "cgroup.procs") for d in self.dirs]
 
     def remove(self) -> None:

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from c2jax.rl.sandbox import gitseal
-from c2jax.rl.sandbox.base import ExecResult, Limits, SandboxError
+from c2jax.rl.sandbox.base import WORKSPACE, ExecResult, Limits, SandboxError
 from c2jax.rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
 from c2jax.rl.sandbox.procs import run_captured
 
@@ -28,13 +28,18 @@ class LocalSandbox(HostWorkspaceSandbox):
     """
 
     def __init__(self, repo_dir: str | os.PathLike, *, allow_unisolated: bool = False,
-                 limits: Limits | None = None, _fork_of: LocalSandbox | None = None):
+                 limits: Limits | None = None, workdir: str = WORKSPACE, env: dict[str, str] | None = None,
+                 _fork_of: LocalSandbox | None = None):
         if allow_unisolated is not True:
             raise SandboxError(
                 "LocalSandbox runs commands on the host with NO isolation (network, host files, other "
                 "episodes are all reachable); it is for unit tests only. Pass allow_unisolated=True to "
                 "use it anyway, or use BwrapSandbox / SandboxPool for untrusted code.")
+        if workdir != WORKSPACE:
+            raise SandboxError(f"LocalSandbox cannot place the workspace at workdir {workdir!r} (it runs in a "
+                               "host temp dir); use the bwrap backend")
         self.limits = limits if limits is not None else Limits()
+        self._env = dict(env or {})
         self._root = Path(tempfile.mkdtemp(prefix="c2jax-local-"))
         self._closed = False
         try:
@@ -64,7 +69,7 @@ class LocalSandbox(HostWorkspaceSandbox):
             raise SandboxError(f"cwd {cwd!r} is not a directory in the workspace")
         full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self._root),
                     "LANG": "C.UTF-8", "C2JAX_WORKSPACE": str(self._ws.root), "PYTHONDONTWRITEBYTECODE": "1",
-                    **(env or {})}
+                    **self._env, **(env or {})}
         return run_captured(["/bin/sh", "-c", command], limits=self.limits,
                             timeout_s=self.limits.timeout_s if timeout_s is None else timeout_s,
                             cwd=str(workdir), env=full_env, stdin=stdin)
@@ -75,7 +80,7 @@ class LocalSandbox(HostWorkspaceSandbox):
 
     def fork(self) -> LocalSandbox:
         self._check_open()
-        return LocalSandbox(self._repo_dir, allow_unisolated=True, limits=self.limits, _fork_of=self)
+        return LocalSandbox(self._repo_dir, allow_unisolated=True, limits=self.limits, env=self._env, _fork_of=self)
 
     def close(self) -> None:
         if not self._closed:

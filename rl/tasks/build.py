@@ -18,6 +18,7 @@ from pathlib import Path
 from c2jax.rl.tasks import deletion, mutation
 from c2jax.rl.tasks.gencommon import emit_task, package_modules, run_tests, split_outcome
 from c2jax.rl.tasks.grading import GradeResult, SandboxFactory, grade
+from c2jax.rl.tasks.harbor import open_task_sandbox, solve_command, upload_solution
 from c2jax.rl.tasks.ladder import RUNGS, build_ladder
 from c2jax.rl.tasks.release import build_release_task
 from c2jax.rl.tasks.sdist import SdistError, SdistSpec, prepare
@@ -71,14 +72,15 @@ class SuiteConfig:
 
 
 def sandbox_factory(kind: str) -> SandboxFactory:
+    """`factory(repo_dir, **options)`; options (workdir, env, limits) come from a task's task.toml."""
     if kind == "local":
         from c2jax.rl.sandbox import LocalSandbox
 
-        return lambda repo: LocalSandbox(repo, allow_unisolated=True)
+        return lambda repo, **options: LocalSandbox(repo, allow_unisolated=True, **options)
     if kind == "bwrap":
         from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
-        return lambda repo: BwrapSandbox(repo)
+        return lambda repo, **options: BwrapSandbox(repo, **options)
     raise ValueError(f"sandbox must be 'bwrap' or 'local', got {kind!r}")
 
 
@@ -242,7 +244,15 @@ class Validation:
 
 
 def reference_patch(task: Task, factory: SandboxFactory) -> str | None:
-    """The reference as a patch: solution.patch, or the diff left by running solve.sh."""
+    """The reference as a patch: the diff Harbor's oracle leaves (solution/ at /solution, solve.sh run
+    from the working directory), else solution.patch, else the diff left by running solve.sh."""
+    if task.harbor and task.solution_script is not None:
+        sandbox, _ = open_task_sandbox(factory, task, "solution")
+        with sandbox:
+            upload_solution(sandbox, task)
+            timeout = task.environment.agent_timeout_s if task.environment else None
+            sandbox.exec(solve_command(task), timeout_s=timeout or task.timeout_s)
+            return sandbox.diff()
     if task.solution_patch is not None:
         return task.solution_patch
     if task.solution_script is None:

@@ -14,9 +14,6 @@ XFAIL or SKIPPED; a test missing from the report fails. resolved = every F2P and
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import secrets
 import shlex
 import sys
@@ -26,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from c2jax.rl.sandbox.base import ExecResult, Sandbox
+from c2jax.rl.sandbox.hostfs import HostWorkspace
+from c2jax.rl.tasks.harbor import open_task_sandbox, read_reward, run_verifier
 from c2jax.rl.tasks.patches import drop_test_files
 from c2jax.rl.tasks.results import FAILING, PASSED, SKIPPED, XFAIL, ReportError, parse_junit, parse_pytest_rA
 from c2jax.rl.tasks.task import Task
@@ -51,6 +50,7 @@ class GradeResult:
     pass_to_pass: dict[str, list[str]] = field(default_factory=lambda: {"success": [], "failure": []})
     log_tail: str = ""
     wall_s: float = 0.0
+    rewards: dict[str, float] = field(default_factory=dict)  # Harbor tasks: every numeric key of reward.json
 
     @property
     def resolved(self) -> bool:
@@ -108,9 +108,14 @@ def grade(task: Task, patch: str | None, sandbox_factory: SandboxFactory, *,
     start = time.perf_counter()
     if not task.supported:
         return GradeResult(task.id, "unsupported", reason=task.unsupported_reason or "")
-    kept, dropped = drop_test_files(patch or "")
+    # Harbor's verifier grades the agent's final state as it is: its tests live at /tests, out of reach
+    if task.kind == "reward":
+        kept, dropped = patch or "", []
+    else:
+        kept, dropped = drop_test_files(patch or "")
     timeout = timeout_s or task.timeout_s
-    with sandbox_factory(task.repo_dir) as sandbox:
+    sandbox, logs = open_task_sandbox(sandbox_factory, task, "verifier")
+    with sandbox:
         workdir = f".c2jax-grade-{secrets.token_hex(8)}"  # the agent cannot predict this name
         applied, err = _apply(sandbox, kept, workdir)
         if not applied:
@@ -119,7 +124,9 @@ def grade(task: Task, patch: str | None, sandbox_factory: SandboxFactory, *,
         if task.kind == "pytest":
             result = _grade_pytest(task, sandbox, workdir, python, timeout)
         elif task.kind == "reward":
-            result = _grade_reward(task, sandbox, workdir, python, timeout)
+            if sandbox.exists(workdir):  # test.sh sees the working directory as the agent left it
+                sandbox.exec(f"rm -rf {workdir}", timeout_s=60)
+            result = _grade_reward(task, sandbox, logs, python, timeout)
         else:
             result = _grade_tb1(task, sandbox, workdir, python, timeout)
     result.patch_applied, result.dropped_test_files = True, dropped
@@ -192,57 +199,28 @@ def _grade_pytest(task: Task, sandbox: Sandbox, workdir: str, python: str, timeo
     return out
 
 
-_ABS_DIR = re.compile(r"(?<![\w./$-])/(logs|tests)(?=/|\b)")
-
-
-def read_reward(sandbox: Sandbox, logs_dir: str) -> tuple[float | None, str]:
-    """Harbor's contract: verifier/reward.txt holds one float, or verifier/reward.json a flat dict of
-    numbers (its "reward" key, else the mean). Missing, empty, or non-finite is an error."""
-    txt, js = f"{logs_dir}/verifier/reward.txt", f"{logs_dir}/verifier/reward.json"
-    if sandbox.exists(txt):
-        text = sandbox.read_text(txt).strip()
-        try:
-            value = float(text)
-        except ValueError:
-            return None, f"reward.txt is not a number: {text[:80]!r}"
-    elif sandbox.exists(js):
-        try:
-            data = json.loads(sandbox.read_text(js))
-        except json.JSONDecodeError as e:
-            return None, f"reward.json is not JSON: {e}"
-        if not isinstance(data, dict) or not data or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in data.values()):
-            return None, "reward.json must be a non-empty flat object of numbers"
-        value = float(data["reward"]) if "reward" in data else sum(data.values()) / len(data)
-    else:
-        return None, "the test script wrote neither reward.txt nor reward.json"
-    if not math.isfinite(value):
-        return None, f"reward is not finite: {value}"
-    return value, ""
-
-
 def _script_env(workdir: str) -> str:
-    """Shell prelude: Harbor's /tests and /logs, per grade, inside the fresh sandbox."""
+    """Shell prelude for Terminal-Bench 1: /tests and /logs as per-grade directories in the workspace."""
     return f'export TEST_DIR="$PWD/{workdir}/tests" LOGS_DIR="$PWD/{workdir}/logs"; ' \
            f'mkdir -p "$LOGS_DIR/verifier" "$LOGS_DIR/agent"; '
 
 
-def _grade_reward(task: Task, sandbox: Sandbox, workdir: str, python: str, timeout: float) -> GradeResult:
-    """Harbor: tests/ is placed at $TEST_DIR (the script's absolute /tests and /logs paths are
-    rewritten to the per-grade directories) and tests/test.sh must write the reward."""
-    _copy_dir(sandbox, task.tests_dir, f"{workdir}/tests")
-    script = _ABS_DIR.sub(lambda m: "${TEST_DIR}" if m.group(1) == "tests" else "${LOGS_DIR}",
-                          (task.tests_dir / "test.sh").read_text())
-    sandbox.write_text(f"{workdir}/tests/test.sh", script)
-    res, out = _run_tests(task, sandbox, _script_env(workdir) + f"bash {workdir}/tests/test.sh", timeout,
-                          _pytest_env(python), "test.sh")
+def _grade_reward(task: Task, sandbox: Sandbox, logs: HostWorkspace, python: str, timeout: float) -> GradeResult:
+    """Harbor's verifier (rl/tasks/harbor.py): tests/ at /tests, /tests/test.sh from the working
+    directory, the reward from /logs/verifier (reward.json first). The venv leads PATH unless the task
+    sets PATH itself."""
+    task_env = {**task.environment.env, **task.environment.verifier_env} if task.environment else {}
+    env = {k: v for k, v in _pytest_env(python).items() if k not in task_env}
+    res = run_verifier(sandbox, task, timeout, env)
+    out = GradeResult(task.id, "unresolved", exit_code=res.exit_code, log_tail=_tail(res.stdout + res.stderr))
     if res.timed_out:
+        out.status, out.reason = "timeout", f"test.sh ran past {timeout:g}s ([verifier].timeout_sec)"
         return out
-    reward, err = read_reward(sandbox, f"{workdir}/logs")
+    reward, rewards, err = read_reward(logs)
     if reward is None:
         out.status, out.reason = "invalid", err
         return out
-    out.reward = reward
+    out.reward, out.rewards = reward, rewards
     if reward >= 1.0:
         out.status = "resolved"
     return out

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from c2jax.rl.tasks.harbor_config import HarborConfigError, TaskEnvironment, parse_environment
+
 PROMPT_LEVELS = ("terse", "issue", "full")
 KINDS = ("pytest", "reward", "tb1")
 # Dockerfile instructions that only describe files and metadata; anything else (RUN, ADD of a URL...)
@@ -59,6 +61,14 @@ class Task:
     unsupported_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None  # the task directory it was loaded from
+    # task.toml's runtime fields (rl/tasks/harbor_config.py); None for tasks without a task.toml
+    environment: TaskEnvironment | None = None
+
+    @property
+    def harbor(self) -> bool:
+        """Graded by Harbor's contract: test.sh at /tests writing /logs/verifier/reward.*, and the oracle
+        runs solution/solve.sh from /solution (rl/tasks/harbor.py)."""
+        return self.kind == "reward"
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -123,6 +133,16 @@ def dockerfile_unsupported(dockerfile: Path) -> str | None:
     return None
 
 
+def dockerfile_workdir(dockerfile: Path) -> str | None:
+    """The last WORKDIR of a Dockerfile (the image's working directory), or None."""
+    workdir = None
+    for raw in dockerfile.read_text(errors="replace").splitlines():
+        parts = raw.strip().split(None, 1)
+        if len(parts) == 2 and parts[0].upper() == "WORKDIR":
+            workdir = parts[1].strip().strip('"')
+    return workdir
+
+
 def _read_solution(solution_dir: Path) -> tuple[str | None, str | None]:
     patch = next((p for p in sorted(solution_dir.glob("*.patch")) + sorted(solution_dir.glob("*.diff"))), None)
     script = solution_dir / "solve.sh"
@@ -150,18 +170,24 @@ def _load_harbor(path: Path) -> Task:
     if not instruction_file.is_file():
         raise TaskFormatError(f"{path}: missing instruction.md")
     env_dir = path / "environment"
-    repo_dir, unsupported = None, None
+    dockerfile = env_dir / "Dockerfile"
+    try:
+        environment, unsupported = parse_environment(
+            spec, dockerfile_workdir=dockerfile_workdir(dockerfile) if dockerfile.is_file() else None)
+    except HarborConfigError as e:
+        raise TaskFormatError(f"{path / 'task.toml'}: {e}") from None
+    repo_dir = None
     if (env_dir / "repo").is_dir():
         repo_dir = env_dir / "repo"
-    elif (env_dir / "Dockerfile").is_file():
-        unsupported = dockerfile_unsupported(env_dir / "Dockerfile")
-        repo_dir = env_dir if unsupported is None else None
-    elif "docker_image" in spec.get("environment", {}):
-        unsupported = "prebuilt docker_image environments are not supported"
+    elif dockerfile.is_file():
+        unsupported = unsupported or dockerfile_unsupported(dockerfile)
+        repo_dir = env_dir
     elif env_dir.is_dir():
         repo_dir = env_dir
-    else:
+    elif unsupported is None:
         raise TaskFormatError(f"{path}: missing environment/ (the repository)")
+    if unsupported is not None:
+        repo_dir = None
     tests_dir = path / "tests"
     kind = verifier.get("kind") or ("pytest" if "fail_to_pass" in verifier else "reward")
     if kind == "reward" and not (tests_dir / "test.sh").is_file():
@@ -176,7 +202,8 @@ def _load_harbor(path: Path) -> Task:
         lines_changed=int(meta.pop("lines_changed", 0)), files_changed=int(meta.pop("files_changed", 0)),
         fail_to_pass=tuple(verifier.get("fail_to_pass", ())), pass_to_pass=tuple(verifier.get("pass_to_pass", ())),
         test_files=tuple(verifier.get("test_files", ())), timeout_s=float(verifier.get("timeout_sec", 600.0)),
-        solution_patch=patch, solution_script=script, unsupported_reason=unsupported, metadata=meta, path=path)
+        solution_patch=patch, solution_script=script, unsupported_reason=unsupported, metadata=meta, path=path,
+        environment=environment)
 
 
 _TB1_META_FILES = {"task.yaml", "Dockerfile", "docker-compose.yaml", "docker-compose.yml", "run-tests.sh",
