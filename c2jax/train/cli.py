@@ -1,5 +1,6 @@
 """`c2jax pretrain --config experiments/configs/cpt_small.yaml key=value ...`: run (or resume) a
-continued-pretraining run locally."""
+continued-pretraining run, in one process or, with `distributed.enabled=true`, as one process of a
+multi-process job (c2jax/distributed.py has the launch recipes)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
+    from c2jax import distributed
     from c2jax.train.config import load_pretrain_config
-    from c2jax.train.loop import Trainer
 
     cfg = load_pretrain_config(args.config, args.overrides)
+    distributed.initialize(cfg.distributed)  # before anything asks JAX for devices; no-op unless enabled
+    from c2jax.train.loop import Trainer
+
     trainer = Trainer(cfg)
     try:
         out = trainer.run(stop_after=args.stop_after)
     finally:
         trainer.close()
+    if not distributed.is_primary():
+        return 0
     print(f"{cfg.name}: step {out['step']}/{cfg.total_steps}, last loss {out['losses'][-1]:.4f}"
           if out["losses"] else f"{cfg.name}: nothing to do at step {out['step']}")
     return 0

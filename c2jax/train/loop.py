@@ -2,6 +2,13 @@
 
 Side effects live here; the math is in step.py / losses.py. A batch source is any iterator of batch
 dicts with Grain-style `get_state()` / `set_state()`; by default it is built by c2jax.data.
+
+Across processes (`distributed.enabled`, c2jax/distributed.py) the same loop runs in every process: the mesh
+spans every process's devices; each process opens its own shard of the data (the batch source is called with
+`shard=`, a `c2jax.distributed.DataShard`: its rows of every global batch) and assembles the global batch
+with `jax.make_array_from_process_local_data`; checkpoints are one Orbax multi-process save whose meta holds
+every process's data-iterator state; metrics, TensorBoard, the progress bar and the resolved config are
+written by process 0 only. Held-out eval reads the whole held-out set in every process (it is small).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from c2jax import distributed
 from c2jax.mesh import activation_rules, batch_spec
 from c2jax.models.config import ConfigError, ModelConfig
 from c2jax.models.flops import training_flops_per_token
@@ -30,20 +38,40 @@ from c2jax.train.metrics import MetricsWriter, device_peak_flops, measure_peak_f
 from c2jax.train.optim import make_optimizer
 from c2jax.train.step import TrainState, init_train_state, make_train_step
 
-BatchSource = Callable[[PretrainConfig, PhaseConfig, str], Iterator[dict]]
+# (cfg, phase, split) -> iterator of batches; in a multi-process run also `shard=` (c2jax.distributed.DataShard):
+# then it yields only this process's `shard.local_rows` rows of each global batch, from data shard
+# `shard.index` of `shard.count`, deterministically and resumably (get_state/set_state)
+BatchSource = Callable[..., Iterator[dict]]
 
 
-def data_batches(cfg: PretrainConfig, phase: PhaseConfig, split: str) -> Iterator[dict]:
-    """The c2jax.data pipeline for this phase (its own data file and loss mask if it names them)."""
+def _phase_data_config(cfg: PretrainConfig, phase: PhaseConfig):
     from c2jax.config import from_dict, load_yaml
     from c2jax.data.config import DataConfig
-    from c2jax.data.pipeline import build_batches
 
     data = dict(load_yaml(phase.data)) if phase.data else dict(cfg.data)
     if phase.loss_mask is not None:
         data["loss_mask"] = phase.loss_mask
-    return build_batches(from_dict(DataConfig, data, "data"), split, seq_len=phase.seq_len or None,
-                         batch_size=phase.batch_size or None)
+    return from_dict(DataConfig, data, "data")
+
+
+def data_batches(cfg: PretrainConfig, phase: PhaseConfig, split: str,
+                 shard: distributed.DataShard | None = None) -> Iterator[dict]:
+    """The c2jax.data pipeline for this phase (its own data file and loss mask if it names them); with a
+    shard, only that shard of every source and `shard.local_rows` rows per batch."""
+    from c2jax.data.pipeline import build_batches
+
+    kw = {} if shard is None else dict(batch_size=shard.local_rows, process_index=shard.index,
+                                       process_count=shard.count)
+    kw.setdefault("batch_size", phase.batch_size or None)
+    return build_batches(_phase_data_config(cfg, phase), split, seq_len=phase.seq_len or None, **kw)
+
+
+def phase_batch_shape(cfg: PretrainConfig, phase: PhaseConfig) -> tuple[int, int]:
+    """(global batch rows, sequence length) of a phase: the phase's, else its data config's."""
+    if phase.batch_size and phase.seq_len:
+        return phase.batch_size, phase.seq_len
+    data = _phase_data_config(cfg, phase)
+    return phase.batch_size or data.batch_size, phase.seq_len or data.seq_len
 
 
 def data_eval_sources(cfg: PretrainConfig, phase: PhaseConfig) -> Mapping[str, Callable[[], Iterator[dict]]]:
@@ -146,14 +174,16 @@ class Trainer:
         if batches is data_batches:
             _check_vocab(cfg)
         self.run_dir = cfg.run_dir
-        save_resolved(cfg, self.run_dir)
-        self.writer = MetricsWriter(self.run_dir, tensorboard=tensorboard)
+        self.primary = distributed.is_primary()  # process 0 writes metrics, TensorBoard, console, config
+        if self.primary:
+            save_resolved(cfg, self.run_dir)
+        self.writer = MetricsWriter(self.run_dir, tensorboard=tensorboard, enabled=self.primary)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.total_steps)
         self.graphdef, state = init_train_state(model, self.tx, seed=cfg.seed)
         self.has_mtp = model.mtp is not None
         self.mesh = self.state_shardings = None
-        if _mesh_devices(cfg) > 1:
+        if _mesh_devices(cfg) > 1 or jax.process_count() > 1:
             state = self._shard(state)
         self.state = state
         self.meta: dict[str, Any] = {"phase": 0, "data_state": None, "mtp_initialized": False,
@@ -178,6 +208,10 @@ class Trainer:
         from c2jax.mesh import make_mesh, param_rules, place_on_mesh, shard_state
 
         # one process may run on a subset of its devices (the first N); across processes the mesh spans all
+        if jax.process_count() > 1 and _mesh_devices(self.cfg) != jax.device_count():
+            raise ConfigError(f"mesh {dict(zip(self.cfg.mesh.axis_names, self.cfg.mesh.shape))} spans "
+                              f"{_mesh_devices(self.cfg)} devices, but a run over {jax.process_count()} processes "
+                              f"must span all {jax.device_count()} (set one axis to -1)")
         devices = jax.devices()[:_mesh_devices(self.cfg)] if jax.process_count() == 1 else None
         self.mesh = make_mesh(self.cfg.mesh, devices)
         rules = param_rules(self.cfg.mesh)
@@ -199,6 +233,22 @@ class Trainer:
         spec = batch_spec(self.mesh, activation_rules(self.cfg.mesh))  # rows over batch axes, sequence over CP
         return NamedSharding(self.mesh, PartitionSpec(None, *spec) if phase.grad_accum > 1 else spec)
 
+    def open_batches(self, phase: PhaseConfig, split: str = "train"):
+        """(iterator, shard): the phase's batch source, in a multi-process run only this process's shard of it
+        (shard None in one process)."""
+        if jax.process_count() == 1:
+            return self.batches(self.cfg, phase, split), None
+        rows, seq = phase_batch_shape(self.cfg, phase)
+        shape = (phase.grad_accum, rows, seq) if phase.grad_accum > 1 else (rows, seq)
+        shard = distributed.data_shard(self._batch_sharding(phase), shape, row_axis=len(shape) - 2)
+        try:
+            return self.batches(self.cfg, phase, split, shard=shard), shard
+        except TypeError as e:
+            if "shard" not in str(e):
+                raise
+            raise ConfigError(f"batch source {self.batches!r} takes no `shard=` argument, which a run over "
+                              f"{jax.process_count()} processes needs (see loop.BatchSource)") from e
+
     # -- pieces ------------------------------------------------------------------------------------
     def train_step(self, phase: PhaseConfig, train_mtp: bool):
         model_cfg = phase_model_config(self.cfg, phase)
@@ -219,13 +269,17 @@ class Trainer:
             # on CPU, Orbax's "device to host" copy can alias the device buffer, which the next (donating)
             # step may overwrite while the background write is still running
             state = _copy_tree(state)
-        self.ckpt.save(int(self.state.step), state, dict(self.meta))
+        meta = dict(self.meta)
+        if jax.process_count() > 1:  # every process's iterator position, in the one meta file process 0 writes
+            meta["data_state"] = {_PER_PROCESS: distributed.allgather_json(meta["data_state"])}
+        self.ckpt.save(int(self.state.step), state, meta)
 
     def restore(self) -> bool:
         found = self.ckpt.restore_latest(self.state)
         if found is None:
             return False
-        _, self.state, meta = found
+        step, self.state, meta = found
+        meta["data_state"] = _own_data_state(meta.get("data_state"), self.ckpt.directory / str(step))
         self.meta.update(meta)
         return True
 
@@ -256,11 +310,11 @@ class Trainer:
         peak = device_peak_flops(jax.devices()[0]) or measure_peak_flops()
         peak *= max(_mesh_devices(cfg), 1)
         bar = None
-        if cfg.progress:
+        if cfg.progress and self.primary:
             from c2jax.progress import progress
 
             bar = progress(cfg.total_steps, initial=start, desc=cfg.name, unit="step")
-        it, it_phase, bad = None, None, 0
+        it, it_phase, shard, bad = None, None, None, 0
         last = time.perf_counter()
         step = start
         end = cfg.total_steps if stop_after is None else min(cfg.total_steps, start + stop_after)
@@ -270,7 +324,7 @@ class Trainer:
                 if it is not None:  # a phase boundary: checkpoint before the data changes
                     self.meta.update(phase=index, data_state=None)
                     self.save()
-                it = self.batches(cfg, phase, "train")
+                it, shard = self.open_batches(phase)
                 if self.meta.get("phase") == index and self.meta.get("data_state") is not None:
                     it.set_state(self.meta["data_state"])
                 self.meta["phase"], it_phase = index, index
@@ -284,6 +338,9 @@ class Trainer:
             train_mtp = self.has_mtp and (phase.train_mtp if phase.train_mtp is not None
                                           else self.meta["mtp_initialized"])
             batch = _stack([next(it) for _ in range(phase.grad_accum)])
+            if shard is not None:  # this process's rows -> the global batch
+                batch = distributed.global_batch(batch, self._batch_sharding(phase), shard,
+                                                 row_axis=batch["input_ids"].ndim - 2)
             self.state, metrics = self.train_step(phase, train_mtp)(self.state, batch)
             self.meta["data_state"] = it.get_state()
             skipped = int(metrics["skipped"])
@@ -334,11 +391,39 @@ class Trainer:
 
         model_cfg = phase_model_config(self.cfg, self.cfg.phases[-1])
         graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg)), nnx.Param, ...)[0]
-        hf.save_pretrained(nnx.merge(graphdef, self.state.params, self.state.model_state), path)
+        params, model_state = self.state.params, self.state.model_state
+        if jax.process_count() > 1:  # every process holds only its shards: replicate, then process 0 writes
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            params, model_state = jax.jit(lambda t: t, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(
+                (params, model_state))
+            params, model_state = jax.tree.map(np.asarray, (params, model_state))
+        if self.primary:
+            hf.save_pretrained(nnx.merge(graphdef, params, model_state), path)
 
     def close(self) -> None:
         self.ckpt.close()
         self.writer.close()
+
+
+_PER_PROCESS = "c2jax_data_state_per_process"
+
+
+def _own_data_state(data_state, where):
+    """This process's data-iterator state from a checkpoint's meta: the state itself in a one-process
+    checkpoint, this process's entry in a multi-process one. Resuming with another process count would
+    change every process's data shard, so it is an error."""
+    count = jax.process_count()
+    if isinstance(data_state, dict) and _PER_PROCESS in data_state:
+        states = data_state[_PER_PROCESS]
+        if len(states) != count:
+            raise ConfigError(f"checkpoint {where} was written by {len(states)} processes; resuming its data "
+                              f"position needs the same number, not {count}")
+        return states[jax.process_index()]
+    if data_state is not None and count > 1:
+        raise ConfigError(f"checkpoint {where} was written by one process; resuming its data position needs one "
+                          f"process, not {count}")
+    return data_state
 
 
 @jax.jit

@@ -52,13 +52,16 @@ def _scalars(prefix: str, value) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per log event to <run>/metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per log event to <run>/metrics.jsonl and mirrors scalars to TensorBoard.
+    `enabled=False` (every process but process 0 of a multi-process run) opens no file and writes nothing."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
         self.run_dir = Path(run_dir)
+        self.jsonl = self.tb = None
+        if not enabled:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -68,14 +71,16 @@ class MetricsWriter:
         flat: dict[str, float] = {}
         for name, value in metrics.items():
             flat.update(_scalars(name, value))
-        self.jsonl.write(json.dumps({"step": step, "kind": kind, **flat}) + "\n")
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, "kind": kind, **flat}) + "\n")
         if self.tb is not None:
             for name, value in flat.items():
                 self.tb.add_scalar(f"{kind}/{name}", value, step)
         return flat
 
     def close(self) -> None:
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
 
