@@ -24,6 +24,17 @@ def factory(repo):
     return LocalSandbox(repo, allow_unisolated=True)
 
 
+def _bwrap_factory():
+    """Harbor tasks need /tests and /logs at the sandbox's root, which only the bwrap backend has."""
+    from c2jax.rl.sandbox.bwrap import bwrap_unusable_reason
+    from c2jax.rl.tasks.build import sandbox_factory
+
+    reason = bwrap_unusable_reason()
+    if reason:
+        pytest.skip(reason)
+    return sandbox_factory("bwrap")
+
+
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 FIXED = BUGGY.replace("a - b", "a + b")
 HIDDEN = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
@@ -128,7 +139,7 @@ def test_harbor_reward_contract(tmp_path, writer, expected):
         "tests/test.sh": f"#!/bin/bash\n{writer}\n", "solution/solve.sh": "echo 42 > answer.txt\n"})
     task = load_task(task_dir)
     assert (task.kind, task.difficulty, task.category, task.timeout_s) == ("reward", "easy", "terminal", 30.0)
-    v = validate_task(task, factory)  # grades the base, then the diff solve.sh leaves
+    v = validate_task(task, _bwrap_factory())  # grades the base, then the diff solve.sh leaves
     assert v.ok, v.reason
     assert (v.base.status, v.base.reward) == ("unresolved", expected[0])
     assert (v.reference.status, v.reference.reward) == ("resolved", expected[1])
@@ -137,7 +148,7 @@ def test_harbor_reward_contract(tmp_path, writer, expected):
 def test_harbor_missing_reward_is_invalid_and_docker_build_is_unsupported(tmp_path):
     task = load_task(_write(tmp_path / "t", {"instruction.md": "x", "task.toml": HARBOR_TOML,
                                              "environment/a.txt": "a\n", "tests/test.sh": "true\n"}))
-    assert grade(task, None, factory).status == "invalid"
+    assert grade(task, None, _bwrap_factory()).status == "invalid"
     docker = load_task(_write(tmp_path / "d", {
         "instruction.md": "x", "task.toml": HARBOR_TOML, "tests/test.sh": "true\n",
         "environment/Dockerfile": "FROM python:3.11\nRUN pip install numpy\n"}))

@@ -1,0 +1,232 @@
+"""Harbor conformance on the fixture tasks in tests/fixtures/harbor: the oracle resolves each runnable
+task and the nop agent scores 0 on it; task.toml fields are honoured (workdir, env, limits, timeouts)
+or the task is refused with the field named; the reward files are read in Harbor's order."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from c2jax.rl.eval import EvalConfig, evaluate
+from c2jax.rl.eval.agents import scripted_factory
+from c2jax.rl.sandbox import Limits, LocalSandbox
+from c2jax.rl.sandbox.base import SandboxError
+from c2jax.rl.sandbox.bwrap import check_mount_point
+from c2jax.rl.sandbox.hostfs import HostWorkspace
+from c2jax.rl.tasks import load_task
+from c2jax.rl.tasks.build import sandbox_factory, validate_task
+from c2jax.rl.tasks.harbor import open_task_sandbox, read_reward
+from c2jax.rl.tasks.task import TaskFormatError, load_tasks
+
+FIXTURES = Path(__file__).parent / "fixtures" / "harbor"
+RUNNABLE = ("env-and-limits", "reward-json-first", "solution-dir")
+
+
+@pytest.fixture(scope="module")
+def bwrap():
+    from c2jax.rl.sandbox.bwrap import bwrap_unusable_reason
+
+    reason = bwrap_unusable_reason()
+    if reason:
+        pytest.skip(reason)
+    return sandbox_factory("bwrap")
+
+
+def _run(mode: str, factory):
+    res = evaluate(load_tasks(FIXTURES), scripted_factory(mode), 1,
+                   config=EvalConfig(sandbox="bwrap", concurrency=1), sandbox_factory=factory, progress=False)
+    return res, {r.task_id: r for r in res.results}
+
+
+@pytest.fixture(scope="module")
+def oracle(bwrap):
+    return _run("oracle", bwrap)
+
+
+@pytest.fixture(scope="module")
+def nop(bwrap):
+    return _run("nop", bwrap)
+
+
+# ------------------------------------------------------------------------------------ oracle and nop
+@pytest.mark.parametrize("task_id", RUNNABLE)
+def test_oracle_resolves_runnable_fixture(oracle, task_id):
+    r = oracle[1][task_id]
+    assert (r.status, r.reward) == ("resolved", 1.0), (r.error, r.grade)
+
+
+@pytest.mark.parametrize("task_id", RUNNABLE)
+def test_nop_scores_zero(nop, task_id):
+    r = nop[1][task_id]
+    assert (r.status, r.reward, r.patch) == ("unresolved", 0.0, ""), r.grade
+
+
+def test_reward_json_wins_over_decoy_reward_txt(oracle, nop):
+    # test.sh writes reward.txt = 1 every time; the nop's 0 can only come from reward.json
+    assert nop[1]["reward-json-first"].grade["rewards"] == {"reward": 0.0, "style": 0.5}
+    assert oracle[1]["reward-json-first"].grade["rewards"] == {"reward": 1.0, "style": 0.5}
+
+
+def test_docker_image_task_is_listed_unsupported(oracle):
+    res, by_id = oracle
+    assert res.config["unsupported"] == ["refused-docker-image"]
+    assert "refused-docker-image" not in by_id
+
+
+def test_agent_timeout_cuts_the_oracle_off(oracle):
+    r = oracle[1]["agent-timeout"]  # solve.sh sleeps 30 s under [agent].timeout_sec = 2
+    assert (r.status, r.reward) == ("unresolved", 0.0)
+    assert r.episode_s < 15
+
+
+def test_verifier_timeout_is_a_timeout(oracle):
+    r = oracle[1]["verifier-timeout"]  # test.sh sleeps 30 s under [verifier].timeout_sec = 1
+    assert r.status == "timeout" and "[verifier].timeout_sec" in r.grade["reason"]
+
+
+def test_validate_uses_harbors_oracle(bwrap):
+    v = validate_task(load_task(FIXTURES / "solution-dir"), bwrap)
+    assert v.ok, v.reason
+    assert (v.base.reward, v.reference.reward) == (0.0, 1.0)
+
+
+def test_agent_phase_sandbox(bwrap):
+    """The workdir is where the agent starts; /logs exists; /solution and /tests do not; the
+    task's env and limits are the sandbox's."""
+    task = load_task(FIXTURES / "solution-dir")
+    sandbox, logs = open_task_sandbox(bwrap, task, "agent")
+    with sandbox:
+        r = sandbox.exec("pwd; ls /logs; test -e /solution || echo no-solution; test -e /tests || echo no-tests")
+        assert r.stdout.split() == ["/app", "agent", "artifacts", "verifier", "no-solution", "no-tests"]
+        assert logs is not None and logs.exists("verifier")
+    limited = load_task(FIXTURES / "env-and-limits")
+    sandbox, _ = open_task_sandbox(bwrap, limited, "verifier")
+    with sandbox:
+        assert (sandbox.limits.memory_bytes, sandbox.limits.cpus, sandbox.limits.file_size_bytes) == \
+            (1024**3, 1.0, 512 * 1024**2)
+        r = sandbox.exec('echo "$GREETING|$EXPECTED|$WHO"')
+        assert r.stdout.strip() == "hello|hello from solve|"
+
+
+def test_cpu_quota_written_where_the_cpu_controller_is_writable(tmp_path):
+    from c2jax.rl.sandbox.bwrap import BwrapSandbox, bwrap_unusable_reason
+
+    if bwrap_unusable_reason():
+        pytest.skip(bwrap_unusable_reason())
+    (tmp_path / "f").write_text("x\n")
+    with BwrapSandbox(tmp_path, limits=Limits(cpus=0.5)) as sb:
+        if not sb.cpu_limited:
+            pytest.skip("no writable cgroup cpu controller here: Limits.cpus is not enforced")
+        quotas = [d / "cpu.cfs_quota_us" for d in sb._cgroup.dirs if (d / "cpu.cfs_quota_us").exists()]
+        quotas += [d / "cpu.max" for d in sb._cgroup.dirs if (d / "cpu.max").exists()]
+        assert quotas and quotas[0].read_text().split()[0] == "50000"
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def _task_dir(tmp_path: Path, toml: str) -> Path:
+    dest = tmp_path / "t"
+    shutil.copytree(FIXTURES / "reward-json-first", dest)
+    (dest / "task.toml").write_text(toml)
+    return dest
+
+
+@pytest.mark.parametrize("toml,field", [
+    ('[environment]\ngpus = 1\n', "[environment].gpus"),
+    ('[environment]\nos = "windows"\n', "[environment].os"),
+    ('[environment]\nhealthcheck = { command = "true" }\n', "[environment].healthcheck"),
+    ('[environment]\nmcp_servers = [{ name = "x", url = "http://x" }]\n', "[environment].mcp_servers"),
+    ('[environment]\nworkdir = "/usr/src/app"\n', "[environment].workdir"),
+    ('[environment]\nworkdir = "/"\n', "[environment].workdir"),
+    ('[environment]\nenv = { TOKEN = "${C2JAX_TEST_SURELY_UNSET_VARIABLE}" }\n', "[environment].env.TOKEN"),
+    ('[agent]\nuser = "root"\n', "[agent].user"),
+    ('[verifier]\nuser = "root"\n', "[verifier].user"),
+    ('[verifier]\nenvironment_mode = "separate"\n', "[verifier].environment_mode"),
+    ('steps = [{ name = "one" }]\n', "steps"),
+])
+def test_refused_with_the_field_named(tmp_path, toml, field):
+    task = load_task(_task_dir(tmp_path, toml))
+    assert not task.supported and task.unsupported_reason.startswith(field), task.unsupported_reason
+    assert task.repo_dir is None
+
+
+def test_refused_docker_image_fixture():
+    task = load_task(FIXTURES / "refused-docker-image")
+    assert task.unsupported_reason.startswith("[environment].docker_image = 'example/tb2-task:20251031'")
+
+
+@pytest.mark.parametrize("toml,field", [
+    ('[environment]\nmemory = "lots"\n', "[environment].memory"),
+    ('[environment]\ncpus = -1\n', "[environment].cpus"),
+    ('[environment]\nmemory_mb = 1.5\n', "[environment].memory_mb"),
+    ('[environment]\nnetwork_mode = "internet"\n', "[environment].network_mode"),
+    ('[environment]\nallow_internet = "yes"\n', "[environment].allow_internet"),
+    ('[environment]\nenv = "A=1"\n', "[environment].env"),
+    ('[agent]\ntimeout_sec = 0\n', "[agent].timeout_sec"),
+    ('environment = 3\n', "[environment]"),
+])
+def test_malformed_field_is_a_format_error(tmp_path, toml, field):
+    with pytest.raises(TaskFormatError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_task(_task_dir(tmp_path, toml))
+
+
+@pytest.mark.parametrize("toml,network,memory", [
+    ("", "public", None),  # Harbor's default
+    ('[environment]\nallow_internet = false\nmemory = "512M"\n', "no-network", 512),
+    ('[environment]\nallowed_hosts = ["pypi.org"]\nmemory_mb = 300\n', "allowlist", 300),
+    ('[environment]\nnetwork_mode = "no-network"\nallow_internet = true\nstorage = "2G"\n', "no-network", None),
+])
+def test_network_baseline_and_sizes(tmp_path, toml, network, memory):
+    env = load_task(_task_dir(tmp_path, toml)).environment
+    assert (env.network, env.memory_mb) == (network, memory)
+
+
+def test_mount_points_and_local_backend(tmp_path):
+    for bad in ("relative", "/", "/usr", "/etc/app", "/tmp/work", "/proc/x"):
+        with pytest.raises(ValueError):
+            check_mount_point(bad, "workdir")
+    assert check_mount_point("/app/./src/", "workdir") == "/app/src"
+    (tmp_path / "f").write_text("x\n")
+    with pytest.raises(SandboxError, match="workdir '/app'"):
+        LocalSandbox(tmp_path, allow_unisolated=True, workdir="/app")
+    with LocalSandbox(tmp_path, allow_unisolated=True, env={"A": "1"}) as sb:
+        assert sb.exec("echo $A").stdout.strip() == "1"
+        with pytest.raises(SandboxError, match="cannot place"):
+            sb.upload_dir(tmp_path, "/solution")
+
+
+# ---------------------------------------------------------------------------------------- reward files
+def _logs(tmp_path: Path, files: dict[str, str]) -> HostWorkspace:
+    (tmp_path / "verifier").mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (tmp_path / "verifier" / name).write_text(text)
+    return HostWorkspace(tmp_path)
+
+
+@pytest.mark.parametrize("files,reward,error", [
+    ({"reward.txt": "1\n", "reward.json": json.dumps({"reward": 0.25})}, 0.25, ""),
+    ({"reward.txt": "0.5", "reward.json": json.dumps({"tests": 1.0})}, 0.5, ""),  # the scalar from reward.txt
+    ({"reward.json": json.dumps({"a": 1.0, "b": 0.0, "why": "text"})}, 0.5, ""),  # mean of the numbers
+    ({"reward.txt": " 0.75 \n"}, 0.75, ""),
+    ({"reward.txt": ""}, None, "reward.txt is empty"),
+    ({"reward.txt": "pass"}, None, "not a number"),
+    ({"reward.json": "[1]"}, None, "JSON object"),
+    ({"reward.json": ""}, None, "reward.json is empty"),
+    ({"reward.json": json.dumps({"ok": True})}, None, "no numeric reward"),
+    ({"reward.txt": "nan"}, None, "not finite"),
+    ({}, None, "neither"),
+])
+def test_read_reward(tmp_path, files, reward, error):
+    value, _, err = read_reward(_logs(tmp_path, files))
+    assert value == reward and error in err
+
+
+def test_reward_symlink_out_of_logs_is_refused(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("0.123")
+    logs = _logs(tmp_path / "logs", {})
+    (tmp_path / "logs" / "verifier" / "reward.txt").symlink_to(secret)
+    value, _, err = read_reward(logs)
+    assert value is None and "safely" in err and "0.123" not in err
