@@ -1,0 +1,3 @@
+from experiments.bench.gpu_check.runner import main
+
+raise SystemExit(main())
