@@ -230,3 +230,46 @@ def test_reward_symlink_out_of_logs_is_refused(tmp_path):
     (tmp_path / "logs" / "verifier" / "reward.txt").symlink_to(secret)
     value, _, err = read_reward(logs)
     assert value is None and "safely" in err and "0.123" not in err
+
+
+# ------------------------------------------------------------------------------ environment definitions
+@pytest.mark.parametrize("text,reason", [
+    ('FROM python:3.13\nWORKDIR /app\nCOPY . /app\nEXPOSE 80\nCMD ["bash"]\n', None),
+    ("FROM python:3.13\nWORKDIR /srv\nWORKDIR app\n# a comment\nCOPY . .\n", None),
+    ("FROM a AS build\nRUN make\nFROM c\nCOPY --from=build /x /x\n",
+     "Dockerfile: multi-stage build (FROM at lines 1, 3)"),
+    ("FROM x\nRUN --mount=type=cache,target=/root/.cache pip install y\n", "Dockerfile line 2: RUN --mount"),
+    ("FROM x\nADD https://example.com/a.tgz /opt/\n", "Dockerfile line 2: ADD of a URL"),
+    ("FROM x\nWORKDIR /app\nCOPY src/ /app/src\nRUN apt-get update && \\\n    apt-get install -y make\n",
+     "Dockerfile line 4: RUN apt-get update && apt-get install -y make: a build step needs the container"),
+    ("FROM x\nWORKDIR /app\nCOPY src/ /app/src\n", "Dockerfile line 3: COPY src/ /app/src: c2jax mounts the build"),
+    ("FROM x\nVOLUME /data\n", "Dockerfile line 2: VOLUME is not supported"),
+])
+def test_dockerfile_reasons(tmp_path, text, reason):
+    from c2jax.rl.tasks import dockerfile
+
+    path = tmp_path / "Dockerfile"
+    path.write_text(text)
+    got = dockerfile.unsupported_reason(path)
+    assert got == reason if reason is None else got.startswith(reason), got
+
+
+def test_dockerfile_workdir_is_the_tasks_working_directory(tmp_path):
+    dest = _task_dir(tmp_path, "")
+    (dest / "environment" / "Dockerfile").write_text("FROM python:3.13\nWORKDIR /srv\nWORKDIR app\nCOPY . .\n")
+    task = load_task(dest)
+    assert task.supported and task.environment.workdir == "/srv/app"
+    (dest / "task.toml").write_text('[environment]\nworkdir = "/opt/w"\n')
+    assert load_task(dest).environment.workdir == "/opt/w"  # task.toml wins, as in Harbor
+
+
+@pytest.mark.parametrize("compose,reason", [
+    ("services:\n  main:\n    devices: ['/dev/kvm:/dev/kvm']\n", "needs KVM"),
+    ("services:\n  main: {}\n  db:\n    image: postgres\n", "compose environments"),
+])
+def test_compose_environment_is_refused(tmp_path, compose, reason):
+    dest = _task_dir(tmp_path, "")
+    (dest / "environment" / "docker-compose.yaml").write_text(compose)
+    task = load_task(dest)
+    assert not task.supported and task.unsupported_reason.startswith("environment/docker-compose.yaml")
+    assert reason in task.unsupported_reason

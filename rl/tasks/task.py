@@ -26,13 +26,11 @@ from typing import Any
 
 import yaml
 
+from c2jax.rl.tasks import dockerfile as docker
 from c2jax.rl.tasks.harbor_config import HarborConfigError, TaskEnvironment, parse_environment
 
 PROMPT_LEVELS = ("terse", "issue", "full")
 KINDS = ("pytest", "reward", "tb1")
-# Dockerfile instructions that only describe files and metadata; anything else (RUN, ADD of a URL...)
-# means the environment must be built by Docker, which c2jax does not run.
-_PLAIN_DOCKER = {"FROM", "WORKDIR", "COPY", "ENV", "LABEL", "CMD", "ENTRYPOINT", "USER", "ARG", "SHELL"}
 
 
 class TaskFormatError(ValueError):
@@ -121,28 +119,6 @@ def dumps_toml(data: dict[str, Any], _prefix: str = "") -> str:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def dockerfile_unsupported(dockerfile: Path) -> str | None:
-    """Why a Dockerfile needs a real Docker build (e.g. a RUN step), or None if it only copies files."""
-    for raw in dockerfile.read_text(errors="replace").splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        word = line.split()[0].upper()
-        if word not in _PLAIN_DOCKER:
-            return f"{dockerfile.name} has a {word} step; Docker-built environments are not supported"
-    return None
-
-
-def dockerfile_workdir(dockerfile: Path) -> str | None:
-    """The last WORKDIR of a Dockerfile (the image's working directory), or None."""
-    workdir = None
-    for raw in dockerfile.read_text(errors="replace").splitlines():
-        parts = raw.strip().split(None, 1)
-        if len(parts) == 2 and parts[0].upper() == "WORKDIR":
-            workdir = parts[1].strip().strip('"')
-    return workdir
-
-
 def _read_solution(solution_dir: Path) -> tuple[str | None, str | None]:
     patch = next((p for p in sorted(solution_dir.glob("*.patch")) + sorted(solution_dir.glob("*.diff"))), None)
     script = solution_dir / "solve.sh"
@@ -173,14 +149,14 @@ def _load_harbor(path: Path) -> Task:
     dockerfile = env_dir / "Dockerfile"
     try:
         environment, unsupported = parse_environment(
-            spec, dockerfile_workdir=dockerfile_workdir(dockerfile) if dockerfile.is_file() else None)
+            spec, dockerfile_workdir=docker.workdir(dockerfile) if dockerfile.is_file() else None)
     except HarborConfigError as e:
         raise TaskFormatError(f"{path / 'task.toml'}: {e}") from None
     repo_dir = None
     if (env_dir / "repo").is_dir():
         repo_dir = env_dir / "repo"
-    elif dockerfile.is_file():
-        unsupported = unsupported or dockerfile_unsupported(dockerfile)
+    elif dockerfile.is_file() or docker.compose_reason(env_dir):
+        unsupported = unsupported or docker.compose_reason(env_dir) or docker.unsupported_reason(dockerfile)
         repo_dir = env_dir
     elif env_dir.is_dir():
         repo_dir = env_dir
@@ -221,7 +197,7 @@ def _load_tb1(path: Path) -> Task:
         raise TaskFormatError(f"{path / 'task.yaml'}: missing 'instruction'")
     unsupported = None
     if (path / "Dockerfile").is_file():
-        unsupported = dockerfile_unsupported(path / "Dockerfile")
+        unsupported = docker.unsupported_reason(path / "Dockerfile")
     if not (path / "run-tests.sh").is_file() and unsupported is None:
         unsupported = "no run-tests.sh"
     script = (path / "solution.sh").read_text() if (path / "solution.sh").is_file() else None

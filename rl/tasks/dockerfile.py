@@ -1,0 +1,139 @@
+"""Which environment definitions c2jax runs without a container engine, and why it refuses the rest.
+
+c2jax runs a Harbor or Terminal-Bench environment by mounting its build context (environment/, or a
+TB1 task directory) as the working directory. That is what the Dockerfile describes only when it has
+one stage, builds nothing, and copies the context itself into the working directory: FROM, WORKDIR,
+ENV, ARG, LABEL, USER, SHELL, CMD, ENTRYPOINT, EXPOSE and `COPY . <workdir>`. For anything else the
+refusal names the file, the line and the most basic obstacle (a multi-stage build before a RUN step,
+a RUN step before a COPY of other paths), so a suite's unsupported tasks can be sorted by what
+would make them run. Compose files (services beside the main container, devices) are refused too.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+# Instructions that only set metadata of the image; with no build they change nothing c2jax runs.
+METADATA = {"FROM", "WORKDIR", "ENV", "ARG", "LABEL", "USER", "SHELL", "CMD", "ENTRYPOINT", "EXPOSE", "MAINTAINER"}
+_BACKEND = "needs the container backend, which c2jax does not have yet"
+
+
+@dataclass(frozen=True)
+class Instruction:
+    line: int  # 1-based line where the instruction starts
+    word: str  # upper-cased, e.g. "RUN"
+    args: str  # the rest, continuation lines joined
+
+
+def instructions(text: str) -> list[Instruction]:
+    """The Dockerfile's instructions: comments and blank lines dropped, `\\` continuations joined."""
+    out: list[Instruction] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction is dropped, as Docker does
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending.append(line[:-1].strip())
+            continue
+        pending.append(line)
+        word, _, args = " ".join(p for p in pending if p).partition(" ")
+        out.append(Instruction(start, word.upper(), args.strip()))
+        pending = []
+    if pending:
+        word, _, args = " ".join(p for p in pending if p).partition(" ")
+        out.append(Instruction(start, word.upper(), args.strip()))
+    return out
+
+
+def _short(args: str, limit: int = 60) -> str:
+    return args if len(args) <= limit else args[: limit - 3] + "..."
+
+
+def _split(args: str) -> tuple[list[str], list[str]]:
+    """(--flags, operands) of a COPY / ADD / RUN, shell-style or JSON-array form."""
+    if args.startswith("["):
+        import json
+
+        try:
+            return [], [str(a) for a in json.loads(args)]
+        except ValueError:
+            pass
+    try:
+        words = shlex.split(args)
+    except ValueError:
+        words = args.split()
+    flags = [w for w in words if w.startswith("--")]
+    return flags, [w for w in words if not w.startswith("--")]
+
+
+def workdir(dockerfile: Path) -> str | None:
+    """The image's working directory: every WORKDIR applied in turn (a relative one joins the last)."""
+    current = None
+    for ins in instructions(dockerfile.read_text(errors="replace")):
+        if ins.word == "WORKDIR" and ins.args:
+            current = posixpath.normpath(posixpath.join(current or "/", ins.args.strip('"')))
+    return current
+
+
+def unsupported_reason(dockerfile: Path) -> str | None:
+    """None when mounting the build context as the working directory is what `dockerfile` builds;
+    else the most basic reason it is not, naming the file and line."""
+    name = dockerfile.name
+    found: list[tuple[int, str]] = []  # (rank: lower is more basic, message)
+    steps = instructions(dockerfile.read_text(errors="replace"))
+    froms = [ins for ins in steps if ins.word == "FROM"]
+    if len(froms) > 1:
+        found.append((0, f"{name}: multi-stage build (FROM at lines {', '.join(str(f.line) for f in froms)}) "
+                         "is not supported"))
+    current = "/"
+    for ins in steps:
+        where = f"{name} line {ins.line}"
+        flags, operands = _split(ins.args) if ins.word in ("RUN", "COPY", "ADD") else ([], [])
+        if ins.word == "WORKDIR" and ins.args:
+            current = posixpath.normpath(posixpath.join(current, ins.args.strip('"')))
+        elif ins.word == "RUN" and any(f.startswith("--mount") for f in flags):
+            found.append((1, f"{where}: RUN --mount is not supported"))
+        elif ins.word == "ADD" and any(o.startswith(("http://", "https://", "git@")) for o in operands[:-1]):
+            found.append((1, f"{where}: ADD of a URL is not supported"))
+        elif ins.word == "RUN":
+            found.append((2, f"{where}: RUN {_short(ins.args)}: a build step {_BACKEND}"))
+        elif ins.word == "ADD":
+            found.append((2, f"{where}: ADD {_short(ins.args)}: ADD (archives are unpacked) {_BACKEND}"))
+        elif ins.word == "COPY":
+            if any(f.startswith("--from") for f in flags):
+                found.append((1, f"{where}: COPY --from (another stage or image) is not supported"))
+                continue
+            sources, dest = operands[:-1], operands[-1] if operands else ""
+            target = posixpath.normpath(posixpath.join(current, dest)) if dest else ""
+            if not sources or any(posixpath.normpath(s) != "." for s in sources) or target != current:
+                found.append((3, f"{where}: COPY {_short(ins.args)}: c2jax mounts the build context itself as "
+                                 f"the working directory ({current}); copying other paths {_BACKEND}"))
+        elif ins.word not in METADATA:
+            found.append((2, f"{where}: {ins.word} is not supported"))
+    return min(found, key=lambda f: f[0])[1] if found else None  # the first of the most basic
+
+
+def compose_reason(env_dir: Path) -> str | None:
+    """Why a compose file in `env_dir` cannot run (Harbor merges it into the main service's
+    definition: extra services, devices, GPUs), or None when there is none."""
+    for name in COMPOSE_FILES:
+        path = env_dir / name
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            if "/dev/kvm" in text:
+                return f"{env_dir.name}/{name}: the task needs KVM (/dev/kvm), which c2jax sandboxes do not expose"
+            if "nvidia" in text or "gpus" in text:
+                return f"{env_dir.name}/{name}: the task needs a GPU, which c2jax sandboxes do not expose"
+            return (f"{env_dir.name}/{name}: compose environments (services beside the main container) "
+                    "are not supported")
+    return None
