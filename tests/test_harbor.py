@@ -240,14 +240,22 @@ def test_reward_symlink_out_of_logs_is_refused(tmp_path):
      "Dockerfile: multi-stage build (FROM at lines 1, 3)"),
     ("FROM x\nRUN --mount=type=cache,target=/root/.cache pip install y\n", "Dockerfile line 2: RUN --mount"),
     ("FROM x\nADD https://example.com/a.tgz /opt/\n", "Dockerfile line 2: ADD of a URL"),
-    ("FROM x\nWORKDIR /app\nCOPY src/ /app/src\nRUN apt-get update && \\\n    apt-get install -y make\n",
+    ("FROM x\nWORKDIR /app\nCOPY src/ /app/source\nRUN apt-get update && \\\n    apt-get install -y make\n",
      "Dockerfile line 4: RUN apt-get update && apt-get install -y make: a build step needs the container"),
-    ("FROM x\nWORKDIR /app\nCOPY src/ /app/src\n", "Dockerfile line 3: COPY src/ /app/src: c2jax mounts the build"),
+    ("FROM x\nWORKDIR /app\nCOPY src/ /app/source\n", "Dockerfile line 3: COPY src/ /app/source: c2jax mounts the"),
     ("FROM x\nVOLUME /data\n", "Dockerfile line 2: VOLUME is not supported"),
+    ("FROM x\nWORKDIR /app\nCOPY app.py /app/\nCOPY src src\nCOPY app.py lib ./\n",
+     "Dockerfile line 5: COPY app.py lib ./"),  # a directory's contents land in ./, not ./lib
+    ("FROM x\nWORKDIR /app\nCOPY app.py /app/\nCOPY src/ /app/src\nCOPY lib lib/\nCOPY app.py ./\n", None),
+    ("FROM x\nWORKDIR /app\nCOPY app.py /app/main.py\n", "Dockerfile line 3: COPY app.py /app/main.py"),
+    ("FROM x\nWORKDIR /app\nCOPY src/ .\n", "Dockerfile line 3: COPY src/ ."),
 ])
 def test_dockerfile_reasons(tmp_path, text, reason):
     from c2jax.rl.tasks import dockerfile
 
+    (tmp_path / "src").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "app.py").write_text("")
     path = tmp_path / "Dockerfile"
     path.write_text(text)
     got = dockerfile.unsupported_reason(path)

@@ -3,7 +3,8 @@
 c2jax runs a Harbor or Terminal-Bench environment by mounting its build context (environment/, or a
 TB1 task directory) as the working directory. That is what the Dockerfile describes only when it has
 one stage, builds nothing, and copies the context itself into the working directory: FROM, WORKDIR,
-ENV, ARG, LABEL, USER, SHELL, CMD, ENTRYPOINT, EXPOSE and `COPY . <workdir>`. For anything else the
+ENV, ARG, LABEL, USER, SHELL, CMD, ENTRYPOINT, EXPOSE, and COPY of context paths to the same paths
+under the working directory (`COPY . .`, `COPY app.py /app/`). For anything else the
 refusal names the file, the line and the most basic obstacle (a multi-stage build before a RUN step,
 a RUN step before a COPY of other paths), so a suite's unsupported tasks can be sorted by what
 would make them run. Compose files (services beside the main container, devices) are refused too.
@@ -76,6 +77,28 @@ def _split(args: str) -> tuple[list[str], list[str]]:
     return flags, [w for w in words if not w.startswith("--")]
 
 
+def _copy_keeps_layout(context: Path, workdir: str, operands: list[str]) -> bool:
+    """Whether `COPY operands` puts every source where mounting the build context at `workdir` puts it
+    (`COPY . .`, `COPY app.py .`, `COPY src/ src/`...), so the mount is what the image holds there."""
+    if len(operands) < 2:
+        return False
+    sources, dest = operands[:-1], operands[-1]
+    target = posixpath.normpath(posixpath.join(workdir, dest))
+    into_dir = dest.endswith("/") or len(sources) > 1 or dest in (".", "./")
+    for src in sources:
+        rel = posixpath.normpath(src)
+        if rel.startswith("..") or rel.startswith("/"):
+            return False
+        is_dir = rel == "." or (context / rel).is_dir()
+        if is_dir:  # a directory's contents land in the destination
+            if target != posixpath.normpath(posixpath.join(workdir, rel)):
+                return False
+        elif (posixpath.join(target, posixpath.basename(rel)) if into_dir else target) != \
+                posixpath.normpath(posixpath.join(workdir, rel)):
+            return False
+    return True
+
+
 def workdir(dockerfile: Path) -> str | None:
     """The image's working directory: every WORKDIR applied in turn (a relative one joins the last)."""
     current = None
@@ -113,9 +136,7 @@ def unsupported_reason(dockerfile: Path) -> str | None:
             if any(f.startswith("--from") for f in flags):
                 found.append((1, f"{where}: COPY --from (another stage or image) is not supported"))
                 continue
-            sources, dest = operands[:-1], operands[-1] if operands else ""
-            target = posixpath.normpath(posixpath.join(current, dest)) if dest else ""
-            if not sources or any(posixpath.normpath(s) != "." for s in sources) or target != current:
+            if not _copy_keeps_layout(dockerfile.parent, current, operands):
                 found.append((3, f"{where}: COPY {_short(ins.args)}: c2jax mounts the build context itself as "
                                  f"the working directory ({current}); copying other paths {_BACKEND}"))
         elif ins.word not in METADATA:
