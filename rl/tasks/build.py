@@ -277,6 +277,9 @@ def validate_task(task: Task, factory: SandboxFactory, *, python: str = sys.exec
     if passing:
         return Validation(task.id, False, f"FAIL_TO_PASS tests already pass on the base: {passing[:3]}", base)
     ref = grade(task, patch, factory, python=python)
+    if not ref.resolved and task.kind != "pytest":
+        return Validation(task.id, False, f"reference grades {ref.status} with reward {ref.reward:g}"
+                          + (f" ({ref.reason})" if ref.reason else ""), base, ref)
     if not ref.resolved:
         return Validation(task.id, False, f"reference grades {ref.status} ({ref.reason}); "
                           f"F2P failing {ref.fail_to_pass['failure'][:3]}, P2P failing "

@@ -24,6 +24,7 @@ def run(args) -> int:
     import json
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from c2jax.config import apply_overrides, from_dict, load_yaml
@@ -38,7 +39,7 @@ def run(args) -> int:
         written = build_suite(cfg, args.out, errors=errors)
         console.print(f"wrote {len(written)} tasks to {args.out} (manifest.json lists them)")
         for err in errors:
-            console.print(f"[red]skipped[/] {err}")
+            console.print(f"[red]skipped[/] {escape(err)}")
         return 1 if errors else 0
 
     factory = sandbox_factory(args.sandbox)
@@ -50,7 +51,8 @@ def run(args) -> int:
             bar.update()
     table = Table("task", "ok", "reason")
     for v in results:
-        table.add_row(v.task_id, "[green]yes[/]" if v.ok else "[red]no[/]", v.reason)
+        # reasons quote task.toml tables ("[verifier].timeout_sec"), which rich would read as markup
+        table.add_row(escape(v.task_id), "[green]yes[/]" if v.ok else "[red]no[/]", escape(v.reason))
     console.print(table)
     bad = [v for v in results if not v.ok]
     console.print(f"{len(results) - len(bad)}/{len(results)} tasks valid")
