@@ -124,6 +124,15 @@ class ModelConfig:
     # capacity buckets of moe_impl="sorted" (x the balanced load; T is always appended, so nothing drops).
     # 1.5 is there because a randomly initialised router already loads its busiest expert ~1.35x.
     moe_capacity_factors: tuple[float, ...] = (1.25, 1.5, 2.0)
+    # moe_impl="sorted" dispatches at most this many tokens at a time (a lax.scan over chunks; 0: all at
+    # once). Its [E, C, .] buffers scale with the tokens dispatched together: at 32k tokens of `small`
+    # they were most of a training step's temporaries (docs/attention.md). 4096 keeps the common
+    # T <= 4096 shapes on the single-dispatch path.
+    moe_chunk_tokens: int = 4096
+    # the fused LM head + cross-entropy computes logits for at most this many tokens at a time and
+    # recomputes them in its backward (0: never chunk; None: auto, [chunk, V] fp32 logits <= 256 MiB,
+    # so T x V above that is chunked and below it runs in one pass that keeps its logits)
+    loss_chunk_tokens: int | None = None
     # token exchange under expert parallelism (models/expert_parallel.py): "allgather" runs everywhere;
     # "ragged_a2a" (jax.lax.ragged_all_to_all) needs a GPU/TPU, XLA:CPU does not implement it
     moe_ep_impl: str = "allgather"
@@ -203,6 +212,10 @@ class ModelConfig:
             object.__setattr__(self, name, dtype_name(getattr(self, name), field=name))
         if not self.moe_capacity_factors or any(f <= 0 for f in self.moe_capacity_factors):
             raise ConfigError(f"moe_capacity_factors must be positive, got {self.moe_capacity_factors}")
+        for name in ("moe_chunk_tokens", "loss_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be a non-negative integer (0: no chunking), got {value!r}")
         if list(self.moe_capacity_factors) != sorted(self.moe_capacity_factors):
             raise ConfigError(f"moe_capacity_factors must be increasing, got {self.moe_capacity_factors}")
         if self.rms_norm_eps <= 0:

@@ -198,23 +198,54 @@ def _slots(plan: _Plan, capacity: int, num_experts: int):
     return slot, src.reshape(-1)
 
 
+def _expert_ffn(recipe, h, gate_up, down):
+    """h [E, C, d] through each expert's SwiGLU: (gu [E, C, 2f], out [E, C, d])."""
+    f = down.shape[1]
+    gu = jnp.einsum("ecd,edg->ecg", h, gate_up) if recipe is None else qlinear.fprop(h, gate_up, recipe)[0]
+    act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
+    out = jnp.einsum("ecf,efd->ecd", act, down) if recipe is None else qlinear.fprop(act, down, recipe)[0]
+    return gu, out
+
+
+def _expert_ffn_grads(recipe, h, gu, dout, gate_up, down):
+    """Backward of `_expert_ffn` for cotangent dout [E, C, d]: (dh [E, C, d], dgate_up, ddown)."""
+    f = down.shape[1]
+    gate, up = gu[..., :f], gu[..., f:]
+    if recipe is not None:
+        return _quantized_ffn_grads(recipe, h, gate, up, dout, gate_up, down)
+    dact = jnp.einsum("ecd,efd->ecf", dout, down)
+    act, dgate, dup = swiglu_act_grads(gate, up, dact)
+    ddown = jnp.einsum("ecf,ecd->efd", act, dout)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)
+    dgate_up = jnp.einsum("ecd,ecg->edg", h, dgu)
+    dh = jnp.einsum("ecg,edg->ecd", dgu, gate_up)
+    return dh, dgate_up, ddown
+
+
+def _quantized_ffn_grads(recipe, h, gate, up, dout, gate_up, down):
+    """The backward GEMMs under `recipe`: dgrad and wgrad quantized along their own contraction axes (wgrad
+    along the capacity axis, so scale blocks never span two experts), and the straight-through masks of the
+    two forward GEMMs, recomputed from the same operands."""
+    act_fwd = jax.nn.silu(gate) * up  # the operand the forward quantized, bit for bit
+    _, mask_act, mask_down = qlinear.fprop(act_fwd, down, recipe)
+    dact = qlinear.apply_mask(qlinear.dgrad(dout, down, recipe), mask_act)
+    act, dgate, dup = swiglu_act_grads(gate, up, dact)
+    ddown = qlinear.apply_mask(qlinear.wgrad(act, dout, recipe), mask_down)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)
+    _, mask_h, mask_gate_up = qlinear.fprop(h, gate_up, recipe)
+    dgate_up = qlinear.apply_mask(qlinear.wgrad(h, dgu, recipe), mask_gate_up)
+    dh = qlinear.apply_mask(qlinear.dgrad(dgu, gate_up, recipe), mask_h)
+    return dh, dgate_up, ddown
+
+
 def _experts_fwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan):
     num_tokens, k = weights.shape
     num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
     slot, src = _slots(plan, capacity, num_experts)
     pad = _pad_row if discard else (lambda a: a)  # discarded assignments read the appended zero row
     h = _take(_pad_row(x), src // k).reshape(num_experts, capacity, d)  # empty rows: src // k == T
-    if recipe is None:
-        gu = jnp.einsum("ecd,edg->ecg", h, gate_up)
-    else:
-        gu = qlinear.fprop(h, gate_up, recipe)[0]
-    act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
-    if recipe is None:
-        out = jnp.einsum("ecf,efd->ecd", act, down)
-    else:
-        out = qlinear.fprop(act, down, recipe)[0]
-    out = out.reshape(num_experts * capacity, d)
-    out_a = _take(pad(out), slot)  # [T*k, d], assignment order
+    gu, out = _expert_ffn(recipe, h, gate_up, down)
+    out_a = _take(pad(out.reshape(num_experts * capacity, d)), slot)  # [T*k, d], assignment order
     gu_a = _take(pad(gu.reshape(num_experts * capacity, 2 * f)), slot)
     y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
     return y, gu_a, out_a
@@ -230,36 +261,84 @@ def _experts_bwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan, 
     dout = (_take(_pad_row(dy), tok) * row_weight[:, None]).reshape(num_experts, capacity, d)
     h = _take(_pad_row(x), tok).reshape(num_experts, capacity, d)
     gu = _take(_pad_row(gu_a), src).reshape(num_experts, capacity, 2 * f)
-    gate, up = gu[..., :f], gu[..., f:]
-    if recipe is not None:
-        return _quantized_experts_bwd(recipe, h, gate, up, dout, gate_up, down, slot, discard, dweights,
-                                      num_tokens, k)
-    dact = jnp.einsum("ecd,efd->ecf", dout, down)
-    act, dgate, dup = swiglu_act_grads(gate, up, dact)
-    ddown = jnp.einsum("ecf,ecd->efd", act, dout)
-    dgu = jnp.concatenate([dgate, dup], axis=-1)
-    dgate_up = jnp.einsum("ecd,ecg->edg", h, dgu)
-    dh = jnp.einsum("ecg,edg->ecd", dgu, gate_up).reshape(num_experts * capacity, d)
+    dh, dgate_up, ddown = _expert_ffn_grads(recipe, h, gu, dout, gate_up, down)
+    dh = dh.reshape(num_experts * capacity, d)
     dx = _take(_pad_row(dh) if discard else dh, slot).reshape(num_tokens, k, d).sum(1)  # each token's k rows
     return dx, dweights, dgate_up, ddown
 
 
-def _quantized_experts_bwd(recipe, h, gate, up, dout, gate_up, down, slot, discard, dweights, num_tokens, k):
-    """The backward GEMMs of `_experts_bwd_at` under `recipe`: dgrad and wgrad quantized along their own
-    contraction axes (wgrad along the capacity axis, so scale blocks never span two experts), and the
-    straight-through masks of the two forward GEMMs, recomputed from the same operands."""
-    num_experts, capacity, d = h.shape
-    act_fwd = jax.nn.silu(gate) * up  # the operand the forward quantized, bit for bit
-    _, mask_act, mask_down = qlinear.fprop(act_fwd, down, recipe)
-    dact = qlinear.apply_mask(qlinear.dgrad(dout, down, recipe), mask_act)
-    act, dgate, dup = swiglu_act_grads(gate, up, dact)
-    ddown = qlinear.apply_mask(qlinear.wgrad(act, dout, recipe), mask_down)
-    dgu = jnp.concatenate([dgate, dup], axis=-1)
-    _, mask_h, mask_gate_up = qlinear.fprop(h, gate_up, recipe)
-    dgate_up = qlinear.apply_mask(qlinear.wgrad(h, dgu, recipe), mask_gate_up)
-    dh = qlinear.apply_mask(qlinear.dgrad(dgu, gate_up, recipe), mask_h).reshape(num_experts * capacity, d)
-    dx = _take(_pad_row(dh) if discard else dh, slot).reshape(num_tokens, k, d).sum(1)
-    return dx, dweights, dgate_up, ddown
+# The last capacity bucket (C = T, which no load can overflow) is the rare path, taken only when an expert
+# gets more than the largest factor x its balanced share. As one batched einsum its [E, T, .] buffers were
+# the largest of a whole training step (E x the buffers of any other bucket; XLA sizes temporaries for the
+# worst branch), so it runs one expert at a time instead: E GEMMs over that expert's window of the sorted
+# assignments, written back to assignment order by scatter. Same math per row, 1/E of the memory.
+
+
+def _expert_window(plan: _Plan, expert, num_tokens: int):
+    """The assignments of `expert` as a fixed-size window of T rows: (src [T], valid [T]); invalid rows hold
+    T*k (one past the last assignment: scatters drop it, gathers from padded arrays read zeros)."""
+    num_assign = plan.order.shape[0]
+    order = jnp.concatenate([plan.order, jnp.full((num_tokens,), num_assign, plan.order.dtype)])
+    window = jax.lax.dynamic_slice(order, (plan.starts[expert],), (num_tokens,))
+    valid = jnp.arange(num_tokens) < plan.counts[expert]
+    return jnp.where(valid, window, num_assign), valid
+
+
+def _experts_fwd_looped(discard, recipe, x, weights, gate_up, down, plan):
+    del discard  # discarded assignments belong to no local expert: never written, they stay zero
+    num_tokens, k = weights.shape
+    num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
+    x_pad = _pad_row(x)
+
+    def one_expert(e, carry):
+        out_a, gu_a = carry
+        src, _ = _expert_window(plan, e, num_tokens)
+        h = _take(x_pad, src // k)[None]
+        gu, out = _expert_ffn(recipe, h, gate_up[e][None], down[e][None])
+        out_a = out_a.at[src].set(out[0], mode="drop")
+        gu_a = gu_a.at[src].set(gu[0], mode="drop")
+        return out_a, gu_a
+
+    zeros = (jnp.zeros((num_tokens * k, d), x.dtype), jnp.zeros((num_tokens * k, 2 * f), x.dtype))
+    out_a, gu_a = jax.lax.fori_loop(0, num_experts, one_expert, zeros)
+    y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
+    return y, gu_a, out_a
+
+
+def _experts_bwd_looped(discard, recipe, x, weights, gate_up, down, plan, gu_a, out_a, dy):
+    del discard
+    num_tokens, k = weights.shape
+    num_experts, d = gate_up.shape[0], x.shape[1]
+    dweights = jnp.einsum("tkd,td->tk", out_a.reshape(num_tokens, k, d), dy)
+    x_pad, dy_pad, gu_pad = _pad_row(x), _pad_row(dy), _pad_row(gu_a)
+    weight_pad = _pad_row(weights.reshape(-1))
+
+    def one_expert(e, carry):
+        dh_a, dgate_up, ddown = carry
+        src, _ = _expert_window(plan, e, num_tokens)
+        tok = src // k
+        dout = _take(dy_pad, tok) * _take(weight_pad, src)[:, None]  # 0 on invalid rows
+        dh, dgu_e, ddown_e = _expert_ffn_grads(recipe, _take(x_pad, tok)[None], _take(gu_pad, src)[None],
+                                               dout[None], gate_up[e][None], down[e][None])
+        return (dh_a.at[src].set(dh[0], mode="drop"), dgate_up.at[e].set(dgu_e[0]), ddown.at[e].set(ddown_e[0]))
+
+    init = (jnp.zeros((num_tokens * k, d), x.dtype), jnp.zeros_like(gate_up), jnp.zeros_like(down))
+    dh_a, dgate_up, ddown = jax.lax.fori_loop(0, num_experts, one_expert, init)
+    return dh_a.reshape(num_tokens, k, d).sum(1), dweights, dgate_up, ddown
+
+
+def _fwd_branches(buckets, discard, recipe):
+    branches = [partial(_experts_fwd_at, cap, discard, recipe) for cap in buckets]
+    if len(buckets) > 1:  # the overflow bucket (C = T): one expert at a time
+        branches[-1] = partial(_experts_fwd_looped, discard, recipe)
+    return branches
+
+
+def _bwd_branches(buckets, discard, recipe):
+    branches = [partial(_experts_bwd_at, cap, discard, recipe) for cap in buckets]
+    if len(buckets) > 1:
+        branches[-1] = partial(_experts_bwd_looped, discard, recipe)
+    return branches
 
 
 def _bucket_index(buckets, counts, num_experts):
@@ -275,16 +354,16 @@ def _sorted_experts(buckets, discard, recipe, x, weights, gate_up, down, expert_
 def _sorted_experts_fwd(buckets, discard, recipe, x, weights, gate_up, down, expert_ids):
     num_experts = gate_up.shape[0]
     plan = _plan(expert_ids, num_experts, discard)
-    branches = [partial(_experts_fwd_at, cap, discard, recipe) for cap in buckets]
-    y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts, num_experts), branches,
+    y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts, num_experts),
+                                    _fwd_branches(buckets, discard, recipe),
                                     x, weights, gate_up, down, plan)
     return y, (x, weights, gate_up, down, plan, gu_a, out_a)
 
 
 def _sorted_experts_bwd(buckets, discard, recipe, res, dy):
     x, weights, gate_up, down, plan, gu_a, out_a = res
-    branches = [partial(_experts_bwd_at, cap, discard, recipe) for cap in buckets]
-    grads = jax.lax.switch(_bucket_index(buckets, plan.counts, gate_up.shape[0]), branches,
+    grads = jax.lax.switch(_bucket_index(buckets, plan.counts, gate_up.shape[0]),
+                           _bwd_branches(buckets, discard, recipe),
                            x, weights, gate_up, down, plan, gu_a, out_a, dy.astype(x.dtype))
     return (*grads, None)
 
@@ -296,17 +375,40 @@ def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_
     """Dropless sort + capacity-bucketed batched einsum (see module docstring).
 
     With `first_expert` (expert parallelism), `gate_up`/`down` hold only experts
-    [first_expert, first_expert + E_local) and assignments to other experts contribute zero."""
-    buckets = capacity_buckets(cfg, x.shape[0])
+    [first_expert, first_expert + E_local) and assignments to other experts contribute zero.
+    More than `cfg.moe_chunk_tokens` tokens are dispatched in equal chunks by a `lax.scan` (the last padded
+    with tokens that select no expert), each chunk with its own capacity bucket: the [E, C, .] buffers
+    then scale with the chunk, not with T, and the scan's residuals are the same [T*k, .] arrays."""
     recipe = None if cfg.moe_quant == "bf16" else qlinear.get_recipe(cfg.moe_quant, cfg.moe_quant_division)
     ids = routing.expert_ids
+    num_local = gate_up.shape[0]
     discard = first_expert is not None
     if discard:
-        num_local = gate_up.shape[0]
         local = ids - first_expert
         ids = jnp.where((local >= 0) & (local < num_local), local, num_local).astype(jnp.int32)
-    return _sorted_experts(buckets, discard, recipe, x, routing.weights.astype(x.dtype), gate_up.astype(x.dtype),
-                           down.astype(x.dtype), ids)
+    weights, gate_up, down = routing.weights.astype(x.dtype), gate_up.astype(x.dtype), down.astype(x.dtype)
+    num_tokens, d = x.shape
+    chunk = cfg.moe_chunk_tokens
+    if not chunk or num_tokens <= chunk:
+        return _sorted_experts(capacity_buckets(cfg, num_tokens), discard, recipe, x, weights, gate_up, down, ids)
+    num_chunks = -(-num_tokens // chunk)
+    size = -(-num_tokens // num_chunks)
+    pad = num_chunks * size - num_tokens
+    if pad:  # padding tokens select the "not mine" group: they take no buffer rows and contribute zero
+        x = jnp.concatenate([x, jnp.zeros((pad, d), x.dtype)])
+        weights = jnp.concatenate([weights, jnp.zeros((pad, weights.shape[1]), weights.dtype)])
+        ids = jnp.concatenate([ids, jnp.full((pad, ids.shape[1]), num_local, ids.dtype)])
+        discard = True
+    buckets = capacity_buckets(cfg, size)
+
+    def one_chunk(carry, chunk_in):
+        xc, wc, ic = chunk_in
+        return carry, _sorted_experts(buckets, discard, recipe, xc, wc, gate_up, down, ic)
+
+    chunks = (x.reshape(num_chunks, size, d), weights.reshape(num_chunks, size, -1),
+              ids.reshape(num_chunks, size, -1))
+    _, y = jax.lax.scan(one_chunk, None, chunks)
+    return y.reshape(num_chunks * size, d)[:num_tokens]
 
 
 class MoE(nnx.Module):

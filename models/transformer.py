@@ -22,7 +22,7 @@ from c2jax.models.context_parallel import (
     context_parallel_size,
     inverse_order,
 )
-from c2jax.models.layers import MLP, RMSNorm, dense, lm_head_cross_entropy, param
+from c2jax.models.layers import MLP, RMSNorm, dense, lm_head_loss, loss_chunk_tokens, param
 from c2jax.models.logical import constrain
 from c2jax.models.moe import MoE
 from c2jax.models.rope import rope_tables
@@ -35,6 +35,9 @@ class ModelOutput(NamedTuple):
     expert_counts: jnp.ndarray | None  # [L_moe, E] tokens per expert per MoE layer (bias update)
     router_logits: jnp.ndarray | None  # [L_moe, B, S, E] float32 (z-loss, diagnostics)
     mtp_logits: jnp.ndarray | None  # [D, B, S, V]: depth j predicts token t + 1 + j from position t
+    # [D, B, S, d]: what the head sees for mtp_logits (each module's output after its own norm), so losses
+    # can apply the head in chunks (c2jax.train.losses.mtp_self_distillation_chunked)
+    mtp_hidden: jnp.ndarray | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -137,16 +140,20 @@ class Transformer(nnx.Module):
         out = dense(h, w, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "seq", "vocab"))
 
-    def token_losses(self, hidden, labels, norm: RMSNorm | None = None):
+    def token_losses(self, hidden, labels, norm: RMSNorm | None = None, *, with_lse: bool = False):
         """Per-token cross-entropy [B, S] of the output head on `hidden` (pre-norm, like ModelOutput.hidden)
-        against `labels` [B, S]. Equals softmax_cross_entropy(self.logits(hidden), labels), but head and
-        loss share one hand-written backward (c2jax.models.layers.lm_head_cross_entropy), which on XLA:CPU is
-        about twice as fast as autodiff through the logits; under jit, unused `ModelOutput.logits` are
-        dead code and cost nothing."""
+        against `labels` [B, S] (with `with_lse`, also the logits' log-sum-exp [B, S], for the z-loss).
+        Equals softmax_cross_entropy(self.logits(hidden), labels), but head and loss share one hand-written
+        backward (c2jax.models.layers.lm_head_loss), about twice as fast on XLA:CPU as autodiff through the
+        logits, and long sequences go through in chunks of `cfg.loss_chunk_tokens` tokens, so the [B*S, V]
+        logits never exist at once; under jit, unused `ModelOutput.logits` are dead code and cost nothing."""
         h = (self.norm if norm is None else norm)(hidden)
         w = self.head_weight()
         batch, seq, d = h.shape
-        loss = lm_head_cross_entropy(h.reshape(batch * seq, d), w, labels.reshape(-1))
+        chunk = loss_chunk_tokens(self.cfg.loss_chunk_tokens, self.cfg.vocab_size)
+        loss, lse = lm_head_loss(h.reshape(batch * seq, d), w, labels.reshape(-1), chunk)
+        if with_lse:
+            return loss.reshape(batch, seq), lse.reshape(batch, seq)
         return loss.reshape(batch, seq)
 
     def embed(self, ids):
@@ -187,16 +194,19 @@ class Transformer(nnx.Module):
             router_logits = router_logits.reshape(cfg.num_moe_layers, batch, seq, -1)
             if inverse is not None:
                 expert_ids, router_logits = expert_ids[:, :, inverse], router_logits[:, :, inverse]
-        mtp_logits = None
+        mtp_logits = mtp_hidden = None
         if self.mtp is not None and return_mtp:
-            mtp_logits = self._mtp(input_ids, x, cos, sin, mask, order)
-            mtp_logits = mtp_logits if inverse is None else mtp_logits[:, :, inverse]
+            mtp_hidden = self._mtp(input_ids, x, cos, sin, mask, order)
+            mtp_hidden = mtp_hidden if inverse is None else mtp_hidden[:, :, inverse]
+            mtp_logits = dense(mtp_hidden, self.head_weight(), preferred_element_type=jnp.float32)
+            mtp_logits = constrain(mtp_logits, (None, "batch", "seq", "vocab"))
         if inverse is not None:
             x = constrain(x[:, inverse], ("batch", "seq", "embed"))
-        return ModelOutput(self.logits(x), x, expert_ids, counts, router_logits, mtp_logits)
+        return ModelOutput(self.logits(x), x, expert_ids, counts, router_logits, mtp_logits, mtp_hidden)
 
     def _mtp(self, input_ids, h, cos, sin, mask, order=None):
-        """h: the trunk's final hidden state before its output norm. Module j is fed the representation the
+        """[D, B, S, d]: each MTP module's output after its own norm (the head's input for that depth).
+        h: the trunk's final hidden state before its output norm. Module j is fed the representation the
         head sees: the trunk's output after the final norm (j = 0), module j-1's output after its own norm
         (j > 0). This is what transformers' MtpModel and Megatron-LM do (and vLLM/SGLang for j = 0), i.e. the
         semantics the released DeepSeek-V3 MTP weights are served with."""
@@ -212,9 +222,12 @@ class Transformer(nnx.Module):
             e = module.enorm(self.embed(shifted))
             x = jnp.concatenate([e, module.hnorm(h)], axis=-1)
             x = dense(x, module.eh_proj[...])
-            out, _ = module.block(x, cos, sin, mask)
-            outs.append(self.logits(out, module.norm))
+            block = lambda x, module=module: module.block(x, cos, sin, mask)[0]
+            if self.cfg.remat_policy != "none":  # the same policy as the trunk's layers
+                block = jax.checkpoint(block, policy=_REMAT[self.cfg.remat_policy]())
+            out = block(x)
             h = module.norm(out)
+            outs.append(h)
         return jnp.stack(outs)
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from c2jax.models.attention import attention_mask, dot_product_attention
 from c2jax.models.config import preset
-from c2jax.models.layers import lm_head_cross_entropy, softmax_cross_entropy, swiglu
+from c2jax.models.layers import lm_head_cross_entropy, lm_head_loss, loss_chunk_tokens, softmax_cross_entropy, swiglu
 from c2jax.models.transformer import init
 
 
@@ -55,6 +55,38 @@ def test_lm_head_cross_entropy_matches_head_then_loss():
     assert_same_value_and_grads(lambda h, w: lm_head_cross_entropy(h, w, labels), reference, (h, w), (0, 1))
 
 
+@pytest.mark.parametrize("chunk", [0, 8, 7, 24, 100], ids=["one-pass", "3-chunks", "4-chunks-padded", "T", "over-T"])
+def test_lm_head_loss_and_lse_match_head_then_loss_in_any_chunking(chunk):
+    """Both outputs (CE and the log-sum-exp that feeds the z-loss) and their gradients under independent
+    cotangents, for every chunking: one pass, chunks dividing T = 24, chunks needing padding, chunk >= T."""
+    h, w = normal(0, (24, 16)), normal(1, (16, 50), 0.3)
+    labels = jax.random.randint(jax.random.key(2), (24,), 0, 50)
+    g_loss, g_lse = normal(3, (24,)), normal(4, (24,))
+
+    def objective(fn):
+        def f(h, w):
+            loss, lse = fn(h, w)
+            return jnp.sum(loss * g_loss + lse * g_lse)
+        return f
+
+    def reference(h, w):
+        logits = h @ w
+        lse = jax.nn.logsumexp(logits, -1)
+        return lse - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0], lse
+
+    v, g = jax.jit(jax.value_and_grad(objective(lambda h, w: lm_head_loss(h, w, labels, chunk)), (0, 1)))(h, w)
+    v_ref, g_ref = jax.value_and_grad(objective(reference), (0, 1))(h, w)
+    assert rel_err(v, v_ref) < 1e-6
+    for a, b in zip(g, g_ref, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_loss_chunk_auto_keeps_fp32_logits_of_a_chunk_within_256_mib():
+    assert loss_chunk_tokens(None, 8192) == 8192  # small: 32k tokens go in 4 chunks of 256 MiB
+    assert loss_chunk_tokens(None, 163840) == 1024  # K2.5's vocabulary: the 1024-token floor
+    assert loss_chunk_tokens(0, 8192) == 0 and loss_chunk_tokens(3000, 8192) == 3000
+
+
 def test_swiglu_matches_autodiff():
     x, wg, wu, wd = normal(0, (20, 16)), normal(1, (16, 24)), normal(2, (16, 24)), normal(3, (24, 16))
 
@@ -83,9 +115,9 @@ def test_attention_matches_autodiff_of_masked_softmax(packed, causal_block):
                                 (q, k, v), (0, 1, 2))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_token_losses_equal_cross_entropy_of_the_logits(tied):
-    cfg = preset("tiny").replace(tie_word_embeddings=tied, num_nextn_predict_layers=0)
+@pytest.mark.parametrize("tied,chunk", [(False, 0), (True, 0), (False, 5)], ids=["untied", "tied", "chunked"])
+def test_token_losses_equal_cross_entropy_of_the_logits(tied, chunk):
+    cfg = preset("tiny").replace(tie_word_embeddings=tied, num_nextn_predict_layers=0, loss_chunk_tokens=chunk)
     graphdef, params, rest = nnx.split(init(cfg), nnx.Param, ...)
     ids = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
 

@@ -47,3 +47,30 @@ def test_loss_decreases_on_a_repeated_batch():
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0] - 0.2
     assert int(state.step) == 8
+
+
+def test_z_loss_is_the_mean_squared_log_normaliser_and_its_gradient_is_exact():
+    """loss = CE + z * mean_t lse_t^2 (PaLM), lse from the fused head (the logits are never built): value and
+    gradients against autodiff through the model's logits."""
+    import jax.numpy as jnp
+
+    z = 1e-2
+    tx = optax.sgd(1.0)
+    graphdef, state = init_train_state(init(CFG, seed=0), tx)
+    batch = tokens(2)
+    ids, targets = batch[:, :-1], batch[:, 1:]
+
+    def reference(params):
+        out = forward(graphdef, nnx.merge_state(params, state.model_state), ids)
+        logp = jax.nn.log_softmax(out.logits, -1)
+        ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+        return ce + z * jnp.mean(jnp.square(jax.nn.logsumexp(out.logits, -1))), ce
+
+    (loss_ref, ce_ref), grads_ref = jax.value_and_grad(reference, has_aux=True)(state.params)
+    new_state, metrics = make_train_step(graphdef, tx, z_loss=z)(state, batch)
+    np.testing.assert_allclose(metrics["loss"], loss_ref, rtol=1e-6)
+    np.testing.assert_allclose(metrics["z_loss"], (loss_ref - ce_ref) / z, rtol=1e-5)
+    # SGD with lr 1: the parameter change is minus the gradient
+    for new, old, g in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params),
+                           jax.tree.leaves(grads_ref), strict=True):
+        np.testing.assert_allclose(np.asarray(old) - np.asarray(new), g, rtol=2e-4, atol=1e-7)

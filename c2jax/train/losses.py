@@ -13,11 +13,11 @@ def masked_ce_sum(token_losses: jnp.ndarray, loss_mask: jnp.ndarray) -> tuple[jn
     return jnp.sum(token_losses * mask), jnp.sum(mask)
 
 
-def z_loss_sum(logits: jnp.ndarray, loss_mask: jnp.ndarray) -> jnp.ndarray:
-    """sum_t mask_t * logsumexp(z_t)^2: PaLM's auxiliary z-loss (Chowdhery et al. 2022, sec. 5), which
-    keeps the softmax normaliser near 1 for numerical stability."""
-    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    return jnp.sum(jnp.square(lse) * loss_mask.astype(jnp.float32))
+def z_loss_sum(lse: jnp.ndarray, loss_mask: jnp.ndarray) -> jnp.ndarray:
+    """sum_t mask_t * lse_t^2 for the logits' log-sum-exp lse [B, S] (Transformer.token_losses(...,
+    with_lse=True), so the logits need not exist): PaLM's auxiliary z-loss (Chowdhery et al. 2022, sec. 5),
+    which keeps the softmax normaliser near 1 for numerical stability."""
+    return jnp.sum(jnp.square(lse.astype(jnp.float32)) * loss_mask.astype(jnp.float32))
 
 
 def mtp_distill_weights(segment_ids: jnp.ndarray, loss_mask: jnp.ndarray, offset: int) -> jnp.ndarray:
@@ -54,6 +54,52 @@ def mtp_self_distillation(main_logits: jnp.ndarray, mtp_logits: jnp.ndarray, seg
         same = jnp.argmax(student_logp, -1) == jnp.argmax(teacher_logp, -1)
         agree += jnp.sum(same * w)
     return kl_sum, weight_sum, agree
+
+
+def mtp_self_distillation_chunked(head_w: jnp.ndarray, main_hidden: jnp.ndarray, mtp_hidden: jnp.ndarray,
+                                  segment_ids: jnp.ndarray, loss_mask: jnp.ndarray, chunk_tokens: int):
+    """`mtp_self_distillation` from the head's inputs instead of its logits: main_hidden [B, S, d] (after the
+    trunk's final norm), mtp_hidden [D, B, S, d] (ModelOutput.mtp_hidden), head_w [d, V]. The tokens go
+    through in chunks of `chunk_tokens` (0: all at once), each chunk's teacher and student logits formed and
+    discarded inside a rematerialised scan step, so memory is O(chunk x V) rather than (D + 1) x [B, S, V]
+    fp32 logits and their log-softmaxes (several GiB at 32k tokens). Same sums as the logits version."""
+    depth, batch, seq, d = mtp_hidden.shape
+    w = head_w.astype(mtp_hidden.dtype)
+    teacher_h, student_h, weights = [], [], []
+    for j in range(depth):
+        k = j + 1
+        teacher_h.append(jnp.roll(main_hidden, -k, axis=1))  # the main head's input at t + k
+        student_h.append(mtp_hidden[j])
+        weights.append(mtp_distill_weights(segment_ids, loss_mask, k))
+    tokens = depth * batch * seq
+    teacher_h = jnp.stack(teacher_h).reshape(tokens, d)
+    student_h = jnp.stack(student_h).reshape(tokens, d)
+    weights = jnp.stack(weights).reshape(tokens)
+    size = chunk_tokens if chunk_tokens and chunk_tokens < tokens else tokens
+    num_chunks = -(-tokens // size)
+    pad = num_chunks * size - tokens
+    if pad:  # zero-weight rows
+        teacher_h, student_h = (jnp.concatenate([a, jnp.zeros((pad, d), a.dtype)]) for a in (teacher_h, student_h))
+        weights = jnp.concatenate([weights, jnp.zeros((pad,), weights.dtype)])
+
+    def one_chunk(carry, chunk):
+        th, sh, wc = chunk
+        teacher_logits = jax.lax.stop_gradient(jnp.matmul(th, w, preferred_element_type=jnp.float32))
+        teacher_logp = jax.nn.log_softmax(teacher_logits, axis=-1)  # detached: no gradient into the head
+        student_logp = jax.nn.log_softmax(jnp.matmul(sh, w, preferred_element_type=jnp.float32), axis=-1)
+        kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - student_logp), axis=-1)
+        same = jnp.argmax(student_logp, -1) == jnp.argmax(teacher_logp, -1)
+        kl_sum, agree = carry
+        return (kl_sum + jnp.sum(kl * wc), agree + jnp.sum(same * wc)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    if num_chunks == 1:  # nothing to save by recomputing
+        (kl_sum, agree), _ = one_chunk((zero, zero), (teacher_h, student_h, weights))
+        return kl_sum, jnp.sum(weights), agree
+    chunks = (teacher_h.reshape(num_chunks, size, d), student_h.reshape(num_chunks, size, d),
+              weights.reshape(num_chunks, size))
+    (kl_sum, agree), _ = jax.lax.scan(jax.checkpoint(one_chunk), (zero, zero), chunks)
+    return kl_sum, jnp.sum(weights), agree
 
 
 def expert_load_stats(counts: jnp.ndarray) -> dict[str, jnp.ndarray]:

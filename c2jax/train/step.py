@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from c2jax.models.layers import loss_chunk_tokens
 from c2jax.models.transformer import Transformer
 from c2jax.train.losses import (
     expert_load_stats,
     masked_ce_sum,
     mtp_distill_weights,
-    mtp_self_distillation,
+    mtp_self_distillation_chunked,
     z_loss_sum,
 )
 
@@ -92,13 +93,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
         out = model(mb["input_ids"], positions=mb["positions"], segment_ids=mb["segment_ids"],
                     return_mtp=train_mtp)
         # the fused head + loss: the [B, S, V] logits are not materialised for CE's backward
-        ce_sum, tokens = masked_ce_sum(model.token_losses(out.hidden, mb["targets"]), mb["loss_mask"])
+        token_ce, lse = model.token_losses(out.hidden, mb["targets"], with_lse=True)
+        ce_sum, tokens = masked_ce_sum(token_ce, mb["loss_mask"])
         sums = {"ce": ce_sum, "tokens": tokens}
         if z_loss > 0:
-            sums["z"] = z_loss_sum(out.logits, mb["loss_mask"])
-        if train_mtp and out.mtp_logits is not None:
-            sums["mtp_kl"], sums["mtp_w"], sums["mtp_agree"] = mtp_self_distillation(
-                out.logits, out.mtp_logits, mb["segment_ids"], mb["loss_mask"])
+            sums["z"] = z_loss_sum(lse, mb["loss_mask"])
+        if train_mtp and out.mtp_hidden is not None:
+            chunk = loss_chunk_tokens(model.cfg.loss_chunk_tokens, model.cfg.vocab_size)
+            sums["mtp_kl"], sums["mtp_w"], sums["mtp_agree"] = mtp_self_distillation_chunked(
+                model.head_weight(), model.norm(out.hidden), out.mtp_hidden, mb["segment_ids"], mb["loss_mask"],
+                chunk)
         if out.expert_counts is not None:
             sums["counts"] = out.expert_counts.astype(jnp.float32)
         return sums
