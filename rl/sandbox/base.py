@@ -49,9 +49,16 @@ class Limits:
 
 
 class Sandbox(abc.ABC):
-    """One isolated workspace. Use as a context manager; `close` removes all its private state."""
+    """One isolated workspace. Use as a context manager; `close` removes all its private state.
+
+    `workdir` is where commands inside see the workspace (and start): `/workspace` unless the backend
+    mounts it elsewhere (a Harbor task's `[environment].workdir`). File methods take paths relative to it.
+    `network` is True when commands share the host's network (off unless asked for; bwrap only).
+    """
 
     limits: Limits
+    workdir: str = WORKSPACE
+    network: bool = False
 
     @abc.abstractmethod
     def exec(self, command: str, *, timeout_s: float | None = None, cwd: str = ".",

@@ -8,7 +8,10 @@ binds of /usr (and the /bin, /lib... symlinks), of a minimal generated /etc and 
 size-capped tmpfs /tmp, and the workspace read-write at /workspace (or the task's `workdir`). Nothing
 else of the host exists inside: not /root, /home, /work, /etc/shadow, nor the other sandboxes' state.
 `upload_dir` adds a private read-write copy of a host directory at an absolute path (Harbor's
-/solution, /tests, /logs) for every later command.
+/solution, /tests, /logs) for every later command. With `network=True` (only for tasks that allow the
+internet, and only when the run's config allows it) the sandbox keeps every namespace but the network
+one: commands share the host's network, including its loopback listeners, with the host's
+/etc/resolv.conf and CA certificates in the generated /etc.
 
 When the command's process exits, bwrap (pid 1 of the sandbox's pid namespace) exits and the kernel
 kills every process left in it, so nothing keeps running between commands, and host-side file
@@ -44,6 +47,8 @@ _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "loc
 _PASSWD = f"root:x:0:0:root:/nonexistent:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/sh\n" \
           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
 _GROUP = f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
+# Added to /etc only for sandboxes that share the host's network.
+_ETC_NET_FILES = ("resolv.conf", "host.conf", "gai.conf", "ssl/certs", "ca-certificates.conf")
 
 
 # Paths the sandbox's own mounts occupy: a workspace or an upload placed on, under or above one of
@@ -94,19 +99,28 @@ def bwrap_unusable_reason() -> str | None:
     return None if proc.returncode == 0 else f"bwrap cannot create namespaces here: {proc.stderr.decode()!r}"
 
 
+def default_env() -> dict[str, str]:
+    """The environment every command starts from, under the sandbox's `env` and the command's own."""
+    return {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "USER": "agent",
+            "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTEST_ADDOPTS": "-p no:cacheprovider"}
+
+
 def default_state_dir() -> Path:
     d = Path(tempfile.gettempdir()) / f"c2jax-sandboxes-{os.getuid()}"
     d.mkdir(mode=0o700, exist_ok=True)
     return d
 
 
-def _prepare_etc(state_dir: Path) -> Path:
-    """A minimal /etc for the sandbox (copied allow-list plus generated passwd/group), made once."""
-    etc = state_dir / "etc"
+def _prepare_etc(state_dir: Path, network: bool = False) -> Path:
+    """A minimal /etc for the sandbox (copied allow-list plus generated passwd/group), made once; the
+    networked variant (`etc-net/`) adds what name resolution and TLS need (resolv.conf, CA certificates;
+    never ssl/private)."""
+    etc = state_dir / ("etc-net" if network else "etc")
     if etc.is_dir():
         return etc
     tmp = Path(tempfile.mkdtemp(prefix="etc-", dir=state_dir))
-    for name in _ETC_FILES:
+    for name in _ETC_FILES + (_ETC_NET_FILES if network else ()):
         src = Path("/etc") / name
         dst = tmp / name
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +140,7 @@ def _prepare_etc(state_dir: Path) -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def _system_args(state_dir: Path) -> tuple[str, ...]:
+def _system_args(state_dir: Path, network: bool = False) -> tuple[str, ...]:
     args: list[str] = ["--ro-bind", "/usr", "/usr"]
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = Path("/") / top
@@ -134,7 +148,7 @@ def _system_args(state_dir: Path) -> tuple[str, ...]:
             args += ["--symlink", os.readlink(p), f"/{top}"]
         elif p.is_dir():
             args += ["--ro-bind", str(p), f"/{top}"]
-    args += ["--ro-bind", str(_prepare_etc(state_dir)), "/etc"]
+    args += ["--ro-bind", str(_prepare_etc(state_dir, network)), "/etc"]
     for prefix in sorted({os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}):
         if not (prefix == "/usr" or prefix.startswith("/usr/")):
             args += ["--ro-bind", prefix, prefix]
@@ -158,15 +172,19 @@ class BwrapSandbox(HostWorkspaceSandbox):
     `mode` is 'overlay' (default where the host can mount overlayfs) or 'copy'. `extra_ro_binds` maps
     host paths to sandbox paths that are bound read-only (e.g. a shared data directory). `workdir` is
     where the workspace appears and commands start (a Harbor task's `[environment].workdir`); `env`
-    is set for every command, under the per-command `env`.
+    is set for every command, under the per-command `env`. `network=True` shares the host's network
+    namespace (every other namespace stays private); the default is a network namespace with only `lo`.
     """
 
     def __init__(self, source: str | os.PathLike | BaseSnapshot, *, limits: Limits | None = None,
                  state_dir: Path | None = None, mode: str | None = None,
                  extra_ro_binds: dict[str, str] | None = None, workdir: str = WORKSPACE,
-                 env: dict[str, str] | None = None, _fork_of: BwrapSandbox | None = None,
-                 _pool: SandboxPool | None = None):
+                 env: dict[str, str] | None = None, network: bool = False,
+                 _fork_of: BwrapSandbox | None = None, _pool: SandboxPool | None = None):
+        if not isinstance(network, bool):
+            raise TypeError(f"network must be True or False, got {network!r}")
         self.workdir = check_mount_point(workdir, "workdir")
+        self.network = network
         self._env = dict(env or {})
         self._uploads: dict[str, Path] = {}  # sandbox path -> host copy, bound read-write
         self.limits = limits if limits is not None else Limits()
@@ -229,13 +247,14 @@ class BwrapSandbox(HostWorkspaceSandbox):
         return host
 
     def _static_argv(self) -> list[str]:
-        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+        argv = [self._bwrap, "--unshare-all", *(["--share-net"] if self.network else []), "--unshare-user",
+                "--disable-userns",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                 "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
                 # /tmp before the system binds: a Python prefix (a venv in a checkout) may itself live
                 # under /tmp, and a later tmpfs would hide it
                 "--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
-                *_system_args(self._state_dir),
+                *_system_args(self._state_dir, self.network),
                 "--bind", str(self._workspace.merged), self.workdir]
         for inside, host in self._uploads.items():
             argv += ["--bind", str(host), inside]
@@ -249,10 +268,7 @@ class BwrapSandbox(HostWorkspaceSandbox):
         rel = normalize(cwd)
         if not self._ws.resolve(rel).is_dir():
             raise SandboxError(f"cwd {cwd!r} is not a directory in the workspace")
-        inner_env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
-                     "USER": "agent",
-                     "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-                     "PYTEST_ADDOPTS": "-p no:cacheprovider", **self._env, **(env or {})}
+        inner_env = {**default_env(), **self._env, **(env or {})}
         argv = [*self._prefix, *self._argv]
         for k, v in inner_env.items():
             argv += ["--setenv", k, v]
@@ -268,7 +284,8 @@ class BwrapSandbox(HostWorkspaceSandbox):
     def fork(self) -> BwrapSandbox:
         self._check_open()
         child = BwrapSandbox(self._snapshot, limits=self.limits, state_dir=self._state_dir, mode=self._mode,
-                             extra_ro_binds=self._extra, workdir=self.workdir, env=self._env, _fork_of=self,
+                             extra_ro_binds=self._extra, workdir=self.workdir, env=self._env,
+                             network=self.network, _fork_of=self,
                              _pool=self._pool)
         for inside, host in self._uploads.items():
             child.upload_dir(host, inside)

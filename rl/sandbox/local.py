@@ -29,7 +29,7 @@ class LocalSandbox(HostWorkspaceSandbox):
 
     def __init__(self, repo_dir: str | os.PathLike, *, allow_unisolated: bool = False,
                  limits: Limits | None = None, workdir: str = WORKSPACE, env: dict[str, str] | None = None,
-                 _fork_of: LocalSandbox | None = None):
+                 network: bool = False, _fork_of: LocalSandbox | None = None):
         if allow_unisolated is not True:
             raise SandboxError(
                 "LocalSandbox runs commands on the host with NO isolation (network, host files, other "
@@ -39,6 +39,7 @@ class LocalSandbox(HostWorkspaceSandbox):
             raise SandboxError(f"LocalSandbox cannot place the workspace at workdir {workdir!r} (it runs in a "
                                "host temp dir); use the bwrap backend")
         self.limits = limits if limits is not None else Limits()
+        self.network = network  # recorded only: commands run on the host, whose network is always reachable
         self._env = dict(env or {})
         self._root = Path(tempfile.mkdtemp(prefix="c2jax-local-"))
         self._closed = False
@@ -80,7 +81,8 @@ class LocalSandbox(HostWorkspaceSandbox):
 
     def fork(self) -> LocalSandbox:
         self._check_open()
-        return LocalSandbox(self._repo_dir, allow_unisolated=True, limits=self.limits, env=self._env, _fork_of=self)
+        return LocalSandbox(self._repo_dir, allow_unisolated=True, limits=self.limits, env=self._env,
+                            network=self.network, _fork_of=self)
 
     def close(self) -> None:
         if not self._closed:
