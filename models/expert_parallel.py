@@ -93,14 +93,17 @@ def moe_expert_parallel(cfg: ModelConfig, x, w_router, bias, gate_up, down, repl
         flat = x.reshape(b * s, d)
         routing = route_fn(cfg, flat, w_router, bias, None if replay is None else replay.reshape(b * s, -1))
         first = jax.lax.axis_index(_axis(ep_axes)) * gate_up.shape[0] if ep_axes else None
-        if not ep_axes:  # every expert on every rank: its own tokens only, nothing to exchange
-            y = dispatch_sorted(cfg, flat, routing, gate_up, down)
-        elif cfg.moe_ep_impl == "ragged_a2a" and gathered:
-            y = _ragged_a2a_experts(cfg, flat, routing, gate_up, down, first, ep_axes, ep)
-        elif gathered:
-            y = _allgather_experts(cfg, flat, routing, gate_up, down, first, ep_axes)
-        else:
-            y = jax.lax.psum(dispatch_sorted(cfg, flat, routing, gate_up, down, first), _axis(ep_axes))
+
+        def experts(flat, routing):
+            if not ep_axes:  # every expert on every rank: its own tokens only, nothing to exchange
+                return dispatch_sorted(cfg, flat, routing, gate_up, down)
+            if cfg.moe_ep_impl == "ragged_a2a" and gathered:
+                return _ragged_a2a_experts(cfg, flat, routing, gate_up, down, first, ep_axes, ep)
+            if gathered:
+                return _allgather_experts(cfg, flat, routing, gate_up, down, first, ep_axes)
+            return jax.lax.psum(dispatch_sorted(cfg, flat, routing, gate_up, down, first), _axis(ep_axes))
+
+        y = experts(flat, routing) if not ep_axes else _in_token_chunks(cfg, experts, flat, routing)
         counts = routing.counts if not token_axes else jax.lax.psum(routing.counts, _axis(token_axes))
         k, e = routing.expert_ids.shape[1], routing.logits.shape[1]
         return (y.reshape(b, s, d), routing.expert_ids.reshape(b, s, k), routing.weights.reshape(b, s, k),
@@ -114,6 +117,37 @@ def moe_expert_parallel(cfg: ModelConfig, x, w_router, bias, gate_up, down, repl
     y, ids, weights, counts, logits = fn(x, w_router, bias, gate_up, down, replay)
     t = batch * seq
     return y, Routing(ids.reshape(t, -1), weights.reshape(t, -1), counts, logits.reshape(t, -1))
+
+
+def _token_chunks(num_tokens: int, chunk: int) -> int:
+    """How many equal chunks to exchange `num_tokens` in: the fewest whose size divides num_tokens and is at
+    most `chunk` (1: no chunking, when chunk is 0, num_tokens <= chunk, or only chunks under chunk / 2 fit)."""
+    if not chunk or num_tokens <= chunk:
+        return 1
+    for count in range(-(-num_tokens // chunk), num_tokens + 1):
+        if num_tokens % count == 0:
+            return count if num_tokens // count >= chunk // 2 else 1
+    return 1
+
+
+def _in_token_chunks(cfg: ModelConfig, experts, flat, routing: Routing):
+    """experts(flat, routing) over chunks of `cfg.moe_chunk_tokens` of this rank's tokens, one exchange each
+    (a lax.scan): the gathered tokens, the dispatch buffers and the receive buffers (whose worst-case
+    bucket is ep x the rows sent) then scale with the chunk instead of the rank's whole batch. Every rank
+    has the same token count, so all take the same number of steps and the collectives line up."""
+    num_tokens, d = flat.shape
+    count = _token_chunks(num_tokens, cfg.moe_chunk_tokens)
+    if count == 1:
+        return experts(flat, routing)
+    size = num_tokens // count
+    split = lambda a: None if a is None else a.reshape(count, size, *a.shape[1:])
+
+    def one_chunk(carry, chunk):
+        x, ids, weights = chunk
+        return carry, experts(x, Routing(ids, weights, routing.counts, None))
+
+    _, y = jax.lax.scan(one_chunk, None, (split(flat), split(routing.expert_ids), split(routing.weights)))
+    return y.reshape(num_tokens, d)
 
 
 def _allgather_experts(cfg, flat, routing: Routing, gate_up, down, first, ep_axes):

@@ -183,6 +183,41 @@ def test_state_and_batch_shardings_follow_rules():
                      "reward": PartitionSpec(("fsdp", "expert"))}
 
 
+@pytest.mark.parametrize("sizes", [dict(fsdp=2, expert=4), dict(expert=4, context=2)],
+                         ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
+def test_expert_parallel_exchange_in_token_chunks_matches_single_device(reference, sizes):
+    """moe_chunk_tokens=16 splits each rank's 32 (or 64) tokens into chunks, one all-gather exchange each."""
+    cfg, _, state, (ids, seg), ref_out, ref_grads = reference
+    graphdef, _ = nnx.split(init(dataclasses.replace(cfg, moe_chunk_tokens=16), seed=0))
+    mesh_cfg = MeshConfig(**sizes)
+    mesh = make_mesh(mesh_cfg)
+
+    def step(state, ids, seg):
+        with logical_rules(mesh, activation_rules(mesh_cfg)):
+            return jax.value_and_grad(_objective(graphdef), has_aux=True)(state, ids, seg)
+
+    def scans(graphdef):
+        def f(state, ids, seg):
+            with logical_rules(mesh, activation_rules(mesh_cfg)):
+                return _objective(graphdef)(state, ids, seg)[0]
+        return str(jax.make_jaxpr(f)(shard_state(state, mesh), ids, seg)).count("scan[")
+
+    assert scans(graphdef) > scans(reference[1])  # the exchange really runs in chunks
+    (_, out), grads = jax.jit(step)(shard_state(state, mesh), ids, seg)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref_out.logits), rtol=1e-5, atol=1e-5)
+    for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        got, want = np.asarray(got.get_value()), np.asarray(want.get_value())
+        assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-6) + 1e-7, "/".join(map(str, path))
+
+
+def test_token_chunk_count_divides_the_tokens():
+    from c2jax.models.expert_parallel import _token_chunks
+
+    assert _token_chunks(32, 16) == 2 and _token_chunks(64, 16) == 4 and _token_chunks(48, 20) == 3
+    assert _token_chunks(16, 16) == 1 and _token_chunks(100, 0) == 1
+    assert _token_chunks(37, 16) == 1  # prime: only chunks of 1 token would divide it
+
+
 def test_ragged_all_to_all_path_lowers(reference):
     """The GPU path builds and lowers to HLO here; XLA:CPU cannot compile ragged-all-to-all, so it is run
     (and compared with the all-gather path) only on an accelerator."""
