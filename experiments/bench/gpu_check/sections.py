@@ -26,6 +26,8 @@ from pathlib import Path
 PEAK_BF16_FLOPS = 790e12  # H200, dense bf16, measured on this machine kind (module docstring)
 PEAK_NOTE = "790 TFLOP/s: H200 dense bf16 measured on this machine kind (device KINDS.md)"
 TAIL_LINES = 25
+# Dry run: the same model code with less to compile (one MoE layer, two capacity buckets instead of four).
+DRY_MODEL = {"num_hidden_layers": 1, "first_k_dense_replace": 0, "moe_capacity_factors": (2.0,)}
 
 
 class Skip(Exception):  # noqa: N818 - control flow, not an error
@@ -287,8 +289,8 @@ def section_env(ctx: Context) -> None:
 
 def section_model(ctx: Context) -> None:
     """Tiny model: loss, logits and every parameter gradient on the default device against the CPU, with the
-    CPU fp32 run's experts replayed everywhere (routing is discontinuous: a near-tie flipping between devices
-    would otherwise dominate the error and say nothing about the kernels)."""
+    same experts replayed everywhere (router replay; routing is discontinuous: a near-tie flipping between
+    devices would otherwise dominate the error and say nothing about the kernels)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -300,7 +302,7 @@ def section_model(ctx: Context) -> None:
     cpu = jax.devices("cpu")[0]
     dev = jax.devices()[0]
     batch, seq = ctx.size((2, 256), (1, 32))
-    base = preset("tiny").replace(num_nextn_predict_layers=0, num_hidden_layers=ctx.size(3, 2))
+    base = preset("tiny").replace(num_nextn_predict_layers=0, **ctx.size({}, DRY_MODEL))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, base.vocab_size, (batch, seq + 1)).astype(np.int32)
     ids, targets = tokens[:, :-1], tokens[:, 1:]
@@ -344,6 +346,9 @@ def section_model(ctx: Context) -> None:
         def one(cfg=cfg, precision=precision, tol=tol, name=name):
             if name == "fp32_default_precision" and not ctx.gpu:
                 raise Skip("needs GPU (on the CPU default fp32 precision is full fp32: fp32_highest covers it)")
+            if name == "bf16_moe_mxfp8" and ctx.dry_run:
+                raise Skip("dry run: the bf16 variant's code with moe_quant='mxfp8', left out to keep the dry run "
+                           "short (the recipe runs on the CPU in tests/test_moe.py and tests/test_kernels.py)")
             d = run(cfg, dev, precision, replay)
             c = run(cfg, cpu, precision, replay)
             row = {"loss_device": d[0], "loss_cpu": c[0],
@@ -370,9 +375,10 @@ def section_model(ctx: Context) -> None:
         ctx.sub(name, one, need_s=ctx.size(8, 2))
 
     def ep_ragged_a2a():
+        ctx.needs_gpu("XLA:CPU does not implement ragged-all-to-all; the path is lowered in tests/test_parallel.py")
         if jax.device_count() < 2:
             raise Skip(f"needs >= 2 devices for an expert-parallel mesh, this has {jax.device_count()} "
-                       "(and XLA:CPU does not implement ragged-all-to-all); lowered in tests/test_parallel.py")
+                       "(its lowering is checked in tests/test_parallel.py)")
         from c2jax.config import MeshConfig
         from c2jax.mesh import activation_rules, make_mesh, shard_state
         from c2jax.models.logical import logical_rules
@@ -692,7 +698,8 @@ def _moe_layer(ctx: Context, peak: float) -> float | None:
     for impl in ("sorted", "ragged"):
         def one(impl=impl):
             cfg = ModelConfig(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e, num_experts_per_tok=k,
-                              n_shared_experts=1, n_group=1, topk_group=1, dtype="bfloat16", moe_impl=impl)
+                              n_shared_experts=1, n_group=1, topk_group=1, dtype="bfloat16", moe_impl=impl,
+                              moe_capacity_factors=ctx.size(ModelConfig.moe_capacity_factors, (2.0,)))
             graphdef, params, rest = nnx.split(MoE(cfg, nnx.Rngs(params=0)), nnx.Param, ...)
             x = jax.random.normal(jax.random.key(2), (1, tokens, d), jnp.bfloat16)
 
@@ -786,7 +793,7 @@ def section_train_medium(ctx: Context) -> None:
     peak, note = peak_flops(ctx)
     name = ctx.size("medium", "tiny")
     runs = ctx.size(((4096, 4), (32768, 1)), ((64, 2),))  # dry run: one length (the loop is the same)
-    layers = ctx.size({}, {"num_hidden_layers": 2})  # dry run: fewer layers, less to compile
+    layers = ctx.size({}, {**DRY_MODEL, "num_hidden_layers": 2, "first_k_dense_replace": 1})  # a dense layer too
     ctx.set("setup", {"preset": name, "dtype": "bfloat16 compute, float32 params", "peak": note,
                       "step": "c2jax.train.step.make_train_step: fwd + bwd + AdamW + router-bias update, no MTP"})
     for seq, batch in runs:
@@ -868,7 +875,7 @@ def section_sampler(ctx: Context) -> None:
     from c2jax.models.transformer import init
 
     name = ctx.size("medium", "tiny")
-    cfg = preset(name).replace(num_nextn_predict_layers=0, dtype="bfloat16", **ctx.size({}, {"num_hidden_layers": 2}))
+    cfg = preset(name).replace(num_nextn_predict_layers=0, dtype="bfloat16", **ctx.size({}, DRY_MODEL))
     prompt_len, new, chunk = ctx.size((128, 64, 16), (8, 8, 4))
     batches = ctx.size((1, 8, 32), (2,))
     model = init(cfg, seed=0)
@@ -942,7 +949,7 @@ def section_rl_step(ctx: Context) -> None:
 
     name = ctx.size("medium", "tiny")
     rows, seq = ctx.size((4, 2048), (2, 16))
-    cfg = preset(name).replace(num_nextn_predict_layers=0, dtype="bfloat16", **ctx.size({}, {"num_hidden_layers": 2}))
+    cfg = preset(name).replace(num_nextn_predict_layers=0, dtype="bfloat16", **ctx.size({}, DRY_MODEL))
     rl_cfg = RLConfig(learning_rate=1e-6)
     ctx.set("setup", {"preset": name, "rows": rows, "seq": seq, "dtype": "bfloat16 compute, float32 params",
                       "rl_config": "RLConfig defaults (REINFORCE, constant normaliser, Adam, clip 1.0)"})

