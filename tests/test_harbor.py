@@ -1,6 +1,8 @@
 """Harbor conformance on the fixture tasks in tests/fixtures/harbor: the oracle resolves each runnable
 task and the nop agent scores 0 on it; task.toml fields are honoured (workdir, env, limits, timeouts)
-or the task is refused with the field named; the reward files are read in Harbor's order."""
+or the task is refused with the field named; the reward files are read in Harbor's order. A plain
+Dockerfile's ENV persists into every phase; the RL environment opens tasks as eval does; the file tools
+work in a task's workdir; the network policy (offline unless allowed) is visible and switchable."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from c2jax.rl.tasks.harbor import open_task_sandbox, read_reward
 from c2jax.rl.tasks.task import TaskFormatError, load_tasks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harbor"
-RUNNABLE = ("env-and-limits", "reward-json-first", "solution-dir")
+RUNNABLE = ("dockerfile-env", "env-and-limits", "reward-json-first", "solution-dir")
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +283,274 @@ def test_compose_environment_is_refused(tmp_path, compose, reason):
     task = load_task(dest)
     assert not task.supported and task.unsupported_reason.startswith("environment/docker-compose.yaml")
     assert reason in task.unsupported_reason
+
+
+# ------------------------------------------------------------------------------------ Dockerfile ENV
+@pytest.mark.parametrize("text,expected", [
+    ("FROM x\nENV A=1 B=\"two words\" C='no $A' D=a\\ b\n", {"A": "1", "B": "two words", "C": "no $A", "D": "a b"}),
+    ("FROM x\nENV P=/opt/bin:$PATH Q=${PATH}\n", {"P": "/opt/bin:/usr/bin", "Q": "/usr/bin"}),  # base = sandbox's
+    ("FROM x\nENV LEGACY the rest of $HOME\n", {"LEGACY": "the rest of /tmp"}),
+    ("ARG V=1\nFROM x\nARG V\nARG W=w\nENV T=v$V-${W} U=${NOPE:-dflt} S=${W:+set} E=${NOPE}\n",
+     {"T": "v1-w", "U": "dflt", "S": "set", "E": ""}),
+    ("ARG V=1\nFROM x\nENV T=v$V\n", {"T": "v"}),  # a global ARG is out of scope unless redeclared
+    ("FROM x\nENV A=1\nENV B=$A$A \\\n    A=2\nENV C=$A\n", {"A": "2", "B": "11", "C": "2"}),
+    ("FROM x\nWORKDIR /app\nCOPY . .\n", {}),
+])
+def test_dockerfile_env(tmp_path, text, expected):
+    from c2jax.rl.tasks import dockerfile
+
+    path = tmp_path / "Dockerfile"
+    path.write_text(text)
+    assert dockerfile.env(path, base={"PATH": "/usr/bin", "HOME": "/tmp"}) == expected
+
+
+@pytest.mark.parametrize("line,reason", [
+    ("ENV LONELY", "Dockerfile line 2: ENV 'LONELY' sets no value"),
+    ("ENV A=1 B", "Dockerfile line 2: ENV 'A=1 B' mixes NAME=value pairs with a bare 'B'"),
+    ("ENV 1A=x", "Dockerfile line 2: ENV '1A=x': '1A' is not a variable name"),
+])
+def test_malformed_dockerfile_env_refuses_the_task(tmp_path, line, reason):
+    dest = _task_dir(tmp_path, "")
+    (dest / "environment" / "Dockerfile").write_text(f"FROM x\n{line}\n")
+    task = load_task(dest)
+    assert not task.supported and task.unsupported_reason == reason
+
+
+def test_dockerfile_env_reaches_every_phase(bwrap, oracle, nop):
+    """The fixture's solve.sh runs `greet` from ENV PATH and prints ENV GREETING; test.sh checks both,
+    the ARG default and that [environment].env wins over an ENV of the same name (oracle 1, nop 0 above)."""
+    task = load_task(FIXTURES / "dockerfile-env")
+    assert task.environment.env["GREETING"] == "hello from the image"
+    assert task.environment.env["OVERRIDDEN"] == "by task.toml"
+    sandbox, _ = open_task_sandbox(bwrap, task, "agent")
+    with sandbox:
+        r = sandbox.exec("pwd; greet; command -v python3 >/dev/null && echo venv-still-on-path")
+    assert r.stdout.split("\n")[:3] == ["/app", "hello from the image", "venv-still-on-path"], r.stderr
+
+
+def test_tb1_dockerfile_env_is_applied(tmp_path):
+    d = tmp_path / "tb1"
+    d.mkdir()
+    (d / "task.yaml").write_text("instruction: x\n")
+    (d / "run-tests.sh").write_text("true\n")
+    (d / "Dockerfile").write_text("FROM x\nWORKDIR /app\nENV MODE=strict\nCOPY . /app\n")
+    task = load_task(d)
+    assert task.supported and task.environment.env == {"MODE": "strict"}
+    assert task.environment.network == "public"  # Terminal-Bench 1 containers have the internet
+
+
+# ------------------------------------------------------------------------------- tools in the workdir
+def test_file_tools_in_a_workdir_task_resolve_it(bwrap):
+    """A scripted agent writes /app/answer.py with write_file (an absolute path inside the task's
+    workdir), reads it back relative to the workdir, and the task's own test.sh resolves it."""
+    from c2jax.rl.harness import ScriptedAgent
+
+    def agent(task, sample):
+        return ScriptedAgent([
+            [{"name": "write_file", "arguments": {"path": "/app/answer.py", "content": 'print("forty-two")\n'}}],
+            [{"name": "read_file", "arguments": {"path": "answer.py"}},
+             {"name": "list_dir", "arguments": {"path": "/app"}},
+             {"name": "read_file", "arguments": {"path": "/workspace/answer.py"}}],
+            [{"name": "submit", "arguments": {"message": "wrote it"}}]])
+
+    res = evaluate([load_task(FIXTURES / "solution-dir")], agent, 1, config=EvalConfig(concurrency=1),
+                   sandbox_factory=bwrap, progress=False)
+    r = res.results[0]
+    assert (r.status, r.reward) == ("resolved", 1.0), (r.error, r.grade)
+    assert "+print(\"forty-two\")" in r.patch and "answer.py" in r.patch
+
+
+def test_workdir_tools_observations(bwrap):
+    from c2jax.rl.harness import EpisodeTask, ScriptedAgent, default_registry, run_episode
+
+    task = load_task(FIXTURES / "solution-dir")
+    sandbox, _ = open_task_sandbox(bwrap, task, "agent")
+    agent = ScriptedAgent([
+        [{"name": "write_file", "arguments": {"path": "/app/pkg/x.py", "content": "X = 1\n"}},
+         {"name": "read_file", "arguments": {"path": "pkg/x.py"}},
+         {"name": "grep", "arguments": {"pattern": "X =", "path": "/app"}},
+         {"name": "run_terminal_cmd", "arguments": {"command": "cat /app/pkg/x.py"}},
+         {"name": "read_file", "arguments": {"path": "/workspace/pkg/x.py"}}]])
+    with sandbox:
+        traj = run_episode(agent, sandbox, EpisodeTask(task.id, task.instruction), default_registry())
+    obs = traj.steps[0].observations
+    assert [o.is_error for o in obs] == [False, False, False, False, True], [o.output for o in obs]
+    assert obs[0].output.startswith("Created pkg/x.py") and "X = 1" in obs[1].output
+    assert "pkg/x.py:1:X = 1" in obs[2].output and "X = 1" in obs[3].output
+    assert "relative to /app" in obs[4].output
+    assert "a repository at /app." in traj.segments[0].messages[0]["content"]
+
+
+# ---------------------------------------------------------------------------------------- RL path
+def _rl_host(tasks: dict, allow_network: bool = False):
+    from c2jax.rl.harness import EpisodeConfig
+    from c2jax.rl.system.config import EnvConfig
+    from c2jax.rl.system.envs import EnvironmentHost
+
+    episode = EpisodeConfig(max_turns=4, max_model_tokens=2000, max_new_tokens_per_turn=400,
+                            max_context_tokens=16384, tool_schemas="signatures", wall_clock_s=60.0)
+    cfg = EnvConfig(kind="ladder", sandbox="bwrap", allow_network=allow_network, episode=episode)
+    host = EnvironmentHost(cfg, tasks)
+
+    def env_call(method, *args):
+        return getattr(host, method)(*args)
+
+    return host, env_call
+
+
+def test_rl_environment_opens_tasks_as_eval_does(bwrap):
+    """The RL environment worker opens a Harbor task's sandbox through open_task_sandbox: the workdir,
+    the task's env (agent phase only), its limits and /logs, as in c2jax eval."""
+    from c2jax.rl.system.envs import RemoteSandbox
+
+    host, env_call = _rl_host({"solution-dir": FIXTURES / "solution-dir",
+                               "env-and-limits": FIXTURES / "env-and-limits",
+                               "agent-timeout": FIXTURES / "agent-timeout"})
+    remote = RemoteSandbox(env_call, "solution-dir")
+    try:
+        assert remote.workdir == "/app" and remote.network is False and remote.agent_timeout_s is None
+        r = remote.exec("pwd; ls /logs; test -e /tests || echo no-tests")
+        assert r.stdout.split() == ["/app", "agent", "artifacts", "verifier", "no-tests"]
+    finally:
+        remote.close()
+    assert host._sandboxes == {}
+    remote = RemoteSandbox(env_call, "env-and-limits")
+    try:
+        limits = host._sandboxes[remote.sid].limits
+        assert (limits.memory_bytes, limits.cpus, limits.file_size_bytes) == (1024**3, 1.0, 512 * 1024**2)
+        r = remote.exec('echo "$GREETING|$FROM_HOST|$EXPECTED|$WHO"')
+        assert r.stdout.strip() == "hello|default||"  # [verifier].env and [solution].env stay in their phases
+    finally:
+        remote.close()
+    remote = RemoteSandbox(env_call, "agent-timeout")
+    remote.close()
+    assert remote.agent_timeout_s == 2.0
+
+
+class _ScriptedPolicy:
+    """A TokenPolicy that emits fixed assistant texts, one per call, and keeps the prompts it saw."""
+
+    def __init__(self, renderer, texts):
+        self.renderer, self.texts, self.prompts = renderer, list(texts), []
+
+    def generate_tokens(self, prompt_ids, *, max_new_tokens, stop_token_ids, temperature, seed):
+        from types import SimpleNamespace
+
+        self.prompts.append(self.renderer.decode(list(prompt_ids)))
+        ids = self.renderer.encode_env(self.texts.pop(0)) + [self.renderer.im_end_id]
+        return SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), policy_versions=[0] * len(ids),
+                               expert_ids=None, finish_reason="stop")
+
+
+def test_rl_episode_on_a_workdir_task_resolves_it(bwrap):
+    """A training episode (run_ladder_episode, the sampler as agent) on the /app task: the policy's
+    write_file to /app/answer.py lands in the workspace and the environment worker grades it 1.0."""
+    from c2jax.rl.harness import ChatRenderer
+    from c2jax.rl.harness.chat_format import render_tool_call
+    from c2jax.rl.system.envs import byte_tokenizer, run_ladder_episode
+
+    host, env_call = _rl_host({"solution-dir": FIXTURES / "solution-dir"})
+    renderer = ChatRenderer(byte_tokenizer())
+    policy = _ScriptedPolicy(renderer, [
+        render_tool_call("write_file", {"path": "/app/answer.py", "content": 'print("forty-two")\n'}),
+        render_tool_call("submit", {"message": "done"})])
+    task = load_task(FIXTURES / "solution-dir")
+    rollout = run_ladder_episode(policy, renderer, env_call, "solution-dir", task.instruction, host.cfg,
+                                 seed=0, max_retries=0)
+    assert rollout.error is None and (rollout.reward, rollout.finish_reason) == (1.0, "submitted")
+    assert "a repository at /app." in policy.prompts[0] and "/workspace" not in policy.prompts[0]
+    assert host._sandboxes == {}
+
+
+# ---------------------------------------------------------------------------------------- network
+def _network_task(tmp_path: Path, name: str, environment: str) -> Path:
+    """A task whose test.sh rewards 1 when the host's loopback listener (port from the host's
+    C2JAX_TEST_NET_PORT, resolved when the task loads) answers from inside the verifier's sandbox."""
+    dest = tmp_path / name
+    shutil.copytree(FIXTURES / "reward-json-first", dest)
+    (dest / "task.toml").write_text(f'[environment]\n{environment}\n\n[verifier]\ntimeout_sec = 60.0\n'
+                                    'env = { PORT = "${C2JAX_TEST_NET_PORT}" }\n')
+    (dest / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nv=0\n"
+        "if python3 -c \"import os, socket; socket.create_connection(('127.0.0.1', int(os.environ['PORT'])), 3)\"; "
+        "then v=1; fi\necho $v > /logs/verifier/reward.txt\n")
+    return dest
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    monkeypatch.setenv("C2JAX_TEST_NET_PORT", str(server.getsockname()[1]))
+    yield
+    server.close()
+
+
+@pytest.mark.parametrize("environment,allow,reward,note", [
+    ("", False, 0.0, "ran offline (allow_network is off)"),  # Harbor's default is the public internet
+    ("", True, 1.0, None),
+    ('network_mode = "public"', True, 1.0, None),
+    ('allowed_hosts = ["127.0.0.1"]', True, 0.0, "c2jax does not enforce host allowlists"),
+    ("allow_internet = false", True, 0.0, None),
+])
+def test_network_policy_toggles_the_sandbox_network(tmp_path, loopback, bwrap, environment, allow, reward, note):
+    """Offline unless the run allows the network AND the task permits the public internet; the eval
+    results and summary.md list every task that got less than its task.toml permits."""
+    from c2jax.rl.eval.report import summary_markdown
+
+    task = load_task(_network_task(tmp_path, "net", environment))
+    factory = sandbox_factory("bwrap", allow_network=allow)
+    res = evaluate([task], scripted_factory("nop"), 1, config=EvalConfig(concurrency=1, allow_network=allow),
+                   sandbox_factory=factory, progress=False)
+    r = res.results[0]
+    assert r.reward == reward and r.status in ("resolved", "unresolved"), (r.grade, r.error)
+    restricted = res.config["network_restricted"]
+    assert res.config["allow_network"] is allow
+    if note is None:
+        assert restricted == {}
+    else:
+        assert note in restricted["net"]
+        md = summary_markdown("x", res.summary(EvalConfig()), network_restricted=restricted)
+        assert "## Network" in md and "`net`" in md and note in md
+
+
+def test_factory_refuses_network_it_was_not_allowed(tmp_path):
+    (tmp_path / "f").write_text("x\n")
+    with pytest.raises(ValueError, match="allow_network"):
+        sandbox_factory("bwrap")(tmp_path, network=True)
+    with pytest.raises(ValueError, match="sandbox must be"):
+        sandbox_factory("docker")
+
+
+def test_tasks_validate_lists_tasks_that_permit_more_network(tmp_path, loopback, bwrap, capsys):
+    import argparse
+
+    from c2jax.rl.tasks.cli import run
+
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    _network_task(suite, "wants-net", "")
+    shutil.copytree(FIXTURES / "reward-json-first", suite / "offline")
+    out = tmp_path / "v.json"
+    args = argparse.Namespace(tasks_command="validate", dir=str(suite), sandbox="bwrap", allow_network=False,
+                              json=str(out))
+    run(args)
+    printed = capsys.readouterr().out
+    assert "1 task(s) permit network access they do not get here" in printed
+    assert "wants-net: the public internet is allowed by the task: ran offline" in printed
+    assert {v["task_id"]: v["network"] is not None for v in json.loads(out.read_text())} == \
+        {"offline": False, "wants-net": True}

@@ -595,3 +595,34 @@ def test_signature_tool_listing_names_every_tool_and_marks_optional_args():
         build_system_prompt(tools, tool_schemas="terse")
     with pytest.raises(ValueError, match="tool_schemas"):
         EpisodeConfig(tool_schemas="terse")
+
+
+def test_paths_are_relative_to_the_sandboxs_workdir():
+    """A task whose workdir is /app: relative paths and absolute paths inside /app name workspace
+    files; /workspace (which does not exist there), /apple and escapes are refused naming /app."""
+    from c2jax.rl.harness.fs_tools import workspace_rel
+    from c2jax.rl.sandbox import SandboxPathError
+
+    assert [workspace_rel(p, "/app") for p in ("x.py", "/app/x.py", "/app", "/app/", "//app/src/../y", " ./a ")] == \
+        ["x.py", "x.py", ".", ".", "y", "a"]
+    for bad in ("/workspace/x.py", "/apple/x", "/app/../etc/passwd", "/", "../x"):
+        with pytest.raises(SandboxPathError) as e:
+            workspace_rel(bad, "/app")
+        assert "/app" in str(e.value) or "leaves the workspace" in str(e.value), bad
+    assert workspace_rel("/workspace/calc.py") == "calc.py"  # the default workdir
+    with pytest.raises(SandboxPathError, match="relative to /workspace"):
+        workspace_rel("/app/x.py")
+
+
+def test_system_prompt_names_the_real_workdir_and_network():
+    from c2jax.rl.harness.chat_format import DEFAULT_SYSTEM, NETWORK_NOTE, instructions_for
+
+    tools = default_registry()
+    default = build_system_prompt(tools)
+    assert "a repository at /workspace." in default and "{workdir}" not in default
+    app = build_system_prompt(tools, workdir="/app")
+    assert "a repository at /app." in app and "/workspace" not in app
+    assert instructions_for("Work in /workspace/src, not /workspaces.", "/srv/app") == \
+        "Work in /srv/app/src, not /workspaces."  # instructions written for /workspace follow the workdir
+    assert instructions_for(DEFAULT_SYSTEM, "/app", network=True).endswith(NETWORK_NOTE)
+    assert NETWORK_NOTE not in default

@@ -121,6 +121,11 @@ def _run_eval(cfg, args, console) -> int:
     stats_md = suite.stats_markdown(suite.suite_stats([suite.task_row(t) for t in tasks]))
     for path in report.write_report(out, results, summary, suite_stats_md=stats_md):
         console.print(f"wrote {path}")
+    restricted = results.config.get("network_restricted") or {}
+    if restricted:
+        console.print(f"{len(restricted)} task(s) permit network access they did not get (listed in summary.md; "
+                      "allow_network=true shares the host network with tasks allowing the public internet)",
+                      markup=False)
     acc = summary["accuracy"]["avg@1"]
     console.print(f"{results.label}: avg@1 {100 * acc['mean']:.1f}% [{100 * acc['ci_low']:.1f}, "
                   f"{100 * acc['ci_high']:.1f}] over {summary['tasks']} tasks x {summary['samples_per_task']}")

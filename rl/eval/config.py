@@ -59,6 +59,9 @@ class EvalConfig:
     ks: tuple[int, ...] = (1, 2, 4, 8)  # pass@k / pass^k / best-of-k reported for each k <= samples
     concurrency: int = 2  # tasks run at once (threads; each episode has its own sandbox)
     sandbox: str = "bwrap"  # "bwrap", or "local" (no isolation: trusted agents and tests only)
+    # tasks whose task.toml permits the public internet share the host's network; off: all run offline,
+    # and the report lists the tasks that permit more than they got (docs/sandbox.md, "Network")
+    allow_network: bool = False
     prompt_level: str = "issue"  # terse | issue | full (tasks without that level use instruction.md)
     categories: tuple[str, ...] = ()  # only tasks of these categories (empty: all)
     split: str = ""  # only tasks whose metadata.split is this (empty: all)

@@ -30,7 +30,16 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}"
 
 
-def summary_markdown(label: str, summary: dict[str, Any], suite_stats_md: str | None = None) -> str:
+def network_markdown(restricted: dict[str, str]) -> str:
+    """The tasks that ran with less network than their task.toml permits, one line each."""
+    lines = [f"{len(restricted)} task(s) permit network access they did not get (allow_network; "
+             "docs/sandbox.md):", ""]
+    lines += [f"- `{tid}`: {note}" for tid, note in sorted(restricted.items())]
+    return "\n".join(lines)
+
+
+def summary_markdown(label: str, summary: dict[str, Any], suite_stats_md: str | None = None,
+                     network_restricted: dict[str, str] | None = None) -> str:
     acc = summary["accuracy"]
     lines = [f"# Eval: {label}", "",
              f"{summary['tasks']} tasks x {summary['samples_per_task']} samples = {summary['episodes']} episodes; "
@@ -57,6 +66,8 @@ def summary_markdown(label: str, summary: dict[str, Any], suite_stats_md: str | 
               f"${c['median_per_task']:.4f} per task, ${c['total']:.4f} in total.", "",
               "Grader statuses: " + ", ".join(f"{k} {v}" for k, v in summary["statuses"].items()) + ".",
               "Episode ends: " + ", ".join(f"{k or '-'} {v}" for k, v in summary["finish_reasons"].items()) + "."]
+    if network_restricted:
+        lines += ["", "## Network", "", network_markdown(network_restricted)]
     if suite_stats_md:
         lines += ["", "## Suite", "", suite_stats_md]
     return "\n".join(lines) + "\n"
@@ -187,7 +198,8 @@ def write_report(out_dir: str | Path, results: EvalResults, summary: dict[str, A
     out_dir = Path(out_dir)
     res_json = write_results(out_dir, results, summary)
     md = out_dir / "summary.md"
-    md.write_text(summary_markdown(results.label, summary, suite_stats_md))
+    md.write_text(summary_markdown(results.label, summary, suite_stats_md,
+                                   results.config.get("network_restricted")))
     paths = [res_json, md, *write_plots(out_dir, [json.loads(res_json.read_text())])]
     if swebench:
         paths += list(write_swebench_files(out_dir, results, results.label))

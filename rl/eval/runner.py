@@ -35,7 +35,7 @@ from c2jax.rl.eval.behaviour import check_rules, episode_config_for, grade_eager
 from c2jax.rl.eval.config import EvalConfig
 from c2jax.rl.eval.store import ResultStore, SampleResult, check_run_manifest
 from c2jax.rl.eval.suite import fingerprint
-from c2jax.rl.harness.episode import EpisodeConfig, EpisodeTask, run_episode
+from c2jax.rl.harness.episode import EpisodeConfig, EpisodeTask, run_episode, with_agent_timeout
 from c2jax.rl.harness.tools import default_registry
 from c2jax.rl.harness.trajectory import Trajectory, TrajectoryWriter
 from c2jax.rl.sandbox.base import Sandbox
@@ -141,15 +141,22 @@ def final_message(traj: Trajectory) -> str:
     return acts[-1].content if acts else ""
 
 
+def network_notes(tasks: Sequence[Task], allow_network: bool) -> dict[str, str]:
+    """task id -> why it ran with less network than its task.toml permits (offline, or an allowlist not
+    enforced), for the tasks that did; see `TaskEnvironment.network_note`."""
+    notes = {}
+    for task in tasks:
+        note = task.environment.network_note(allow_network) if task.environment is not None else None
+        if note is not None:
+            notes[task.id] = note
+    return notes
+
+
 # --------------------------------------------------------------------------------------- one job
 def task_episode_config(task: Task, base: EpisodeConfig) -> EpisodeConfig:
     """`[agent].timeout_sec` is the episode's wall clock and, as in Harbor (no per-command cap below
     the agent's budget), the longest a single command may run."""
-    timeout = task.environment.agent_timeout_s if task.environment is not None else None
-    if timeout is None:
-        return base
-    return dataclasses.replace(base, wall_clock_s=timeout, max_command_timeout_s=timeout,
-                               default_command_timeout_s=min(base.default_command_timeout_s, timeout))
+    return with_agent_timeout(base, task.environment.agent_timeout_s if task.environment is not None else None)
 
 
 def run_sample(task: Task, sample: int, agent_factory: AgentFactory, cfg: EvalConfig,
@@ -238,7 +245,9 @@ def evaluate(tasks: Sequence[Task], agent_factory: AgentFactory, samples: int | 
         raise ValueError(f"evaluate: duplicate task ids {sorted({i for i in ids if ids.count(i) > 1})}")
     unsupported = [t.id for t in tasks if not t.supported]
     tasks = [t for t in tasks if t.supported]
-    factory = sandbox_factory or make_sandbox_factory(cfg.sandbox)
+    factory = sandbox_factory or make_sandbox_factory(cfg.sandbox, allow_network=cfg.allow_network)
+    allow_network = bool(getattr(factory, "allow_network", False))
+    offline = network_notes(tasks, allow_network)
     label = label or cfg.run_label
     store = traj_writer = None
     previous: dict[tuple[str, int], SampleResult] = {}
@@ -306,4 +315,5 @@ def evaluate(tasks: Sequence[Task], agent_factory: AgentFactory, samples: int | 
     ordered = sorted(results.values(), key=lambda r: (r.task_id, r.sample))
     return EvalResults(label, cfg.samples, {t.id: t.category for t in tasks}, ordered,
                        config={"prompt_level": cfg.prompt_level, "selector": cfg.selector,
-                               "unsupported": unsupported}, step=step)
+                               "unsupported": unsupported, "allow_network": allow_network,
+                               "network_restricted": offline}, step=step)

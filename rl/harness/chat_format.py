@@ -116,10 +116,25 @@ def parse_assistant_text(text: str, id_prefix: str) -> ParsedAssistant:
 
 
 DEFAULT_SYSTEM = (
-    "You are a coding agent working in a repository at /workspace. Use the tools to inspect and change "
+    "You are a coding agent working in a repository at {workdir}. Use the tools to inspect and change "
     "the code and to run commands; there is no network. Make the smallest correct change that completes "
     "the task, check it, then call submit."
 )
+WORKDIR_FIELD = "{workdir}"
+NETWORK_NOTE = ("Network: this task allows internet access, and commands share the host's network "
+                "(tool descriptions saying there is no network do not apply).")
+_LITERAL_WORKSPACE = re.compile(r"/workspace(?![\w.-])")
+
+
+def instructions_for(instructions: str, workdir: str = "/workspace", network: bool = False) -> str:
+    """The system instructions for a sandbox whose workspace is at `workdir`: `{workdir}` is filled in,
+    and where the workdir is not /workspace, instructions written for /workspace (a literal
+    `/workspace` path) are pointed at the real one, so the prompt never names a directory that does not
+    exist. A sandbox sharing the host's network gets `NETWORK_NOTE` appended."""
+    text = instructions.replace(WORKDIR_FIELD, workdir)
+    if workdir != "/workspace":
+        text = _LITERAL_WORKSPACE.sub(workdir, text)
+    return f"{text}\n\n{NETWORK_NOTE}" if network else text
 
 
 TOOL_SCHEMA_MODES = ("full", "signatures")
@@ -140,11 +155,14 @@ def tool_signatures(registry: ToolRegistry) -> str:
 
 
 def build_system_prompt(registry: ToolRegistry, instructions: str = DEFAULT_SYSTEM,
-                        include_tool_schemas: bool = True, tool_schemas: str = "full") -> str:
+                        include_tool_schemas: bool = True, tool_schemas: str = "full", *,
+                        workdir: str = "/workspace", network: bool = False) -> str:
     """The system prompt; token-level agents need the tools in it (`tool_schemas="full"`: JSON schemas,
-    `"signatures"`: one line per tool), API agents get them as `tools=`."""
+    `"signatures"`: one line per tool), API agents get them as `tools=`. `workdir` and `network` describe
+    the sandbox (`instructions_for`)."""
     if tool_schemas not in TOOL_SCHEMA_MODES:
         raise ValueError(f"tool_schemas must be one of {TOOL_SCHEMA_MODES}, got {tool_schemas!r}")
+    instructions = instructions_for(instructions, workdir, network)
     if not include_tool_schemas:
         return instructions
     if tool_schemas == "signatures":

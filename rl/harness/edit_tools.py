@@ -65,7 +65,7 @@ def _read_text(ctx: ToolContext, rel: str) -> str:
 
 
 def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: str, replace_all: bool) -> str:
-    rel = workspace_rel(path)
+    rel = workspace_rel(path, ctx.workdir)
     if old_string == "":
         raise ToolError("old_string is empty; use write_file to create or overwrite a file")
     if old_string == new_string:
@@ -86,7 +86,7 @@ def edit_file(ctx: ToolContext, path: str, old_string: str, new_string: str, rep
 
 
 def write_file(ctx: ToolContext, path: str, content: str) -> str:
-    rel = workspace_rel(path)
+    rel = workspace_rel(path, ctx.workdir)
     if ctx.sandbox.is_dir(rel):
         raise ToolError(f"{rel} is a directory")
     existed = ctx.sandbox.exists(rel)
@@ -97,7 +97,7 @@ def write_file(ctx: ToolContext, path: str, content: str) -> str:
 
 
 def delete_file(ctx: ToolContext, path: str) -> str:
-    rel = workspace_rel(path)
+    rel = workspace_rel(path, ctx.workdir)
     if rel == ".":
         raise ToolError("refusing to delete the workspace root")
     if ctx.sandbox.is_dir(rel):
@@ -110,7 +110,7 @@ def delete_file(ctx: ToolContext, path: str) -> str:
 
 
 def read_lints(ctx: ToolContext, paths: list[str] | None) -> str:
-    targets = sorted(ctx.edited_files) if paths is None else [workspace_rel(p) for p in paths]
+    targets = sorted(ctx.edited_files) if paths is None else [workspace_rel(p, ctx.workdir) for p in paths]
     if not targets:
         return "No files were edited in this episode, and no paths were given."
     problems, checked = [], 0

@@ -10,6 +10,7 @@ so every segment of the chain shares it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 import uuid
@@ -24,7 +25,7 @@ from c2jax.rl.harness.registry import ToolCall, ToolContext, ToolRegistry
 from c2jax.rl.harness.renderer import TokenTranscript
 from c2jax.rl.harness.replay import ReplayRecorder
 from c2jax.rl.harness.trajectory import Observation, Segment, Step, Trajectory, TrajectoryWriter
-from c2jax.rl.sandbox.base import Sandbox
+from c2jax.rl.sandbox.base import WORKSPACE, Sandbox
 
 SUMMARY_PROMPT = (
     "Your context is nearly full. Summarize the conversation so far so that you can continue the task "
@@ -75,6 +76,16 @@ class EpisodeConfig:
                              " so the summary fits in the context")
 
 
+def with_agent_timeout(base: EpisodeConfig, timeout_s: float | None) -> EpisodeConfig:
+    """`base` under a task's agent timeout (Harbor's `[agent].timeout_sec`): the episode's wall clock and,
+    as in Harbor (no per-command cap below the agent's budget), the longest a single command may run.
+    None leaves `base` as it is."""
+    if timeout_s is None:
+        return base
+    return dataclasses.replace(base, wall_clock_s=timeout_s, max_command_timeout_s=timeout_s,
+                               default_command_timeout_s=min(base.default_command_timeout_s, timeout_s))
+
+
 @dataclass(frozen=True)
 class EpisodeTask:
     task_id: str
@@ -121,14 +132,15 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
     finish_reason "error" and the traceback in `error`; the record is still written.
     """
     t0 = time.monotonic()
-    ctx = ToolContext(sandbox, max_output_chars=config.max_output_chars,
+    workdir = getattr(sandbox, "workdir", WORKSPACE)
+    ctx = ToolContext(sandbox, workdir=workdir, max_output_chars=config.max_output_chars,
                       max_command_timeout_s=config.max_command_timeout_s,
                       default_command_timeout_s=config.default_command_timeout_s,
                       deadline=t0 + config.wall_clock_s)
     traj = Trajectory(trajectory_id or uuid.uuid4().hex, task.task_id, agent.name,
                       metadata={**task.metadata, **(metadata or {}), "seed": seed})
     system = build_system_prompt(tools, config.system_instructions, agent.tools_in_system_prompt,
-                                 config.tool_schemas)
+                                 config.tool_schemas, workdir=workdir, network=bool(getattr(sandbox, "network", False)))
     totals = {"model_s": 0.0, "tool_s": 0.0, "summary_s": 0.0}
     generated = 0
 

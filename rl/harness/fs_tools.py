@@ -22,16 +22,29 @@ SKIP_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache
 MAX_GREP_FILE_BYTES = 2 * 1024**2
 
 
-def workspace_rel(path: str) -> str:
-    """Normalises a model-given path to workspace-relative POSIX form; `/workspace/...` is accepted."""
+def workspace_rel(path: str, workdir: str = WORKSPACE) -> str:
+    """Normalises a model-given path to workspace-relative POSIX form. Relative paths are relative to the
+    sandbox's working directory `workdir` (where the workspace is mounted: /workspace, or a Harbor task's
+    `[environment].workdir` such as /app); an absolute path inside it (`/app/x.py`) is accepted."""
     if not isinstance(path, str) or not path.strip():
         raise SandboxPathError("path must be a non-empty string")
     path = path.strip()
-    if path == WORKSPACE or path.startswith(WORKSPACE + "/"):
-        path = path[len(WORKSPACE):].lstrip("/") or "."
     if path.startswith("/"):
-        raise SandboxPathError(f"{path!r} is outside the workspace; use a path relative to {WORKSPACE}")
+        absolute = posixpath.normpath(path)
+        if absolute.startswith("//"):
+            absolute = absolute[1:]
+        root = workdir.rstrip("/") or "/"
+        if absolute == root:
+            return "."
+        if not absolute.startswith(root + "/"):
+            raise SandboxPathError(f"{path!r} is outside the workspace; use a path relative to {workdir} "
+                                   f"(or an absolute path under {workdir})")
+        path = absolute[len(root) + 1:]
     return normalize(path)
+
+
+def _rel(ctx: ToolContext, path: str) -> str:
+    return workspace_rel(path, ctx.workdir)
 
 
 def host_target(ctx: ToolContext, rel: str) -> tuple[Path, Path]:
@@ -110,7 +123,7 @@ def glob_matcher(pattern: str):
 
 
 def read_file(ctx: ToolContext, path: str, offset: int, limit: int) -> str:
-    rel = workspace_rel(path)
+    rel = _rel(ctx, path)
     if ctx.sandbox.is_dir(rel):
         raise ToolError(f"{rel} is a directory; use list_dir")
     if not ctx.sandbox.exists(rel):
@@ -135,7 +148,7 @@ def read_file(ctx: ToolContext, path: str, offset: int, limit: int) -> str:
 
 
 def list_dir(ctx: ToolContext, path: str, depth: int) -> str:
-    rel = workspace_rel(path)
+    rel = _rel(ctx, path)
     if not ctx.sandbox.is_dir(rel):
         raise ToolError(f"{rel} is not a directory" if ctx.sandbox.exists(rel) else f"{rel} does not exist")
     lines: list[str] = []
@@ -157,7 +170,7 @@ def list_dir(ctx: ToolContext, path: str, depth: int) -> str:
 
 
 def glob_files(ctx: ToolContext, pattern: str, path: str) -> str:
-    rel = workspace_rel(path)
+    rel = _rel(ctx, path)
     match = glob_matcher(pattern)
     root, start = host_target(ctx, rel)
     if not start.exists():
@@ -181,7 +194,7 @@ def grep(ctx: ToolContext, pattern: str, path: str, include: str | None, case_in
         regex = re.compile(pattern, re.IGNORECASE if case_insensitive else 0)
     except re.error as e:
         raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
-    rel = workspace_rel(path)
+    rel = _rel(ctx, path)
     match = glob_matcher(include) if include else None
     root, start = host_target(ctx, rel)
     if not start.exists():
@@ -212,7 +225,7 @@ def grep(ctx: ToolContext, pattern: str, path: str, include: str | None, case_in
     return "\n".join(hits) + f"\n({len(hits)} matches in {files_with_hits} files)"
 
 
-_PATH = {"type": "string", "description": f"Workspace-relative path (or absolute under {WORKSPACE})."}
+_PATH = {"type": "string", "description": "Path relative to the working directory (or absolute inside it)."}
 
 FS_TOOLS = [
     Tool("read_file", "Read a text file. Lines are numbered from 1; read long files in windows.",

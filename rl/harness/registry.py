@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema
 
-from c2jax.rl.sandbox.base import Sandbox, SandboxPathError
+from c2jax.rl.sandbox.base import WORKSPACE, Sandbox, SandboxPathError
 
 
 class ToolError(Exception):
@@ -69,6 +69,7 @@ class ToolContext:
     """What a tool may touch: the sandbox, plus the episode state tools share (edited files)."""
 
     sandbox: Sandbox
+    workdir: str = WORKSPACE  # where the workspace is inside the sandbox; model paths are relative to it
     max_output_chars: int = 20_000
     max_command_timeout_s: float = 120.0
     default_command_timeout_s: float = 30.0

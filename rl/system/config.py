@@ -100,6 +100,9 @@ class EnvConfig:
     rungs: tuple[str, ...] = ("answer",)
     per_rung: int = 8
     sandbox: Literal["bwrap", "local"] = "bwrap"
+    # tasks whose task.toml permits the public internet share the host's network (bwrap --share-net);
+    # off: every task runs offline (docs/sandbox.md, "Network")
+    allow_network: bool = False
     prompt_level: Literal["terse", "issue", "full"] = "terse"
     episode: EpisodeConfig = field(default_factory=lambda: EpisodeConfig(
         max_turns=2, max_model_tokens=64, max_new_tokens_per_turn=32, max_context_tokens=4096,

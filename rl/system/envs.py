@@ -10,6 +10,9 @@ reference on an environment worker.
 `ladder` (agentic): the rl/tasks ladder, run through the harness episode loop with the sampler as the
 agent; every tool call runs in a sandbox held by an environment worker (`RemoteSandbox` forwards the
 Sandbox interface), and the final diff is graded there in a fresh sandbox by c2jax.rl.tasks.grading.grade.
+Episode sandboxes open through `open_task_sandbox`, as in `c2jax eval`: a task's task.toml workdir, env,
+limits, network policy (`env.allow_network`), Harbor's /logs and `[agent].timeout_sec` apply in training
+exactly as in evaluation, and the tools and system prompt name the task's working directory.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class EnvironmentHost:
         self._next = 0
         self._delay_rng = np.random.default_rng(0)
         self._delay_lock = threading.Lock()
+        self._sandbox_lock = threading.Lock()
 
     def grade_target(self, tokens: list[int]) -> float:
         self._sleep_delay()
@@ -170,14 +174,25 @@ class EnvironmentHost:
     def _factory(self):
         from c2jax.rl.tasks.build import sandbox_factory
 
-        return sandbox_factory(self.cfg.sandbox)
+        return sandbox_factory(self.cfg.sandbox, allow_network=self.cfg.allow_network)
 
-    def open_sandbox(self, task_id: str) -> str:
-        sandbox = self._factory()(self._task(task_id).repo_dir)
-        self._next += 1
-        sid = f"sb{self._next}"
-        self._sandboxes[sid] = sandbox
-        return sid
+    def open_sandbox(self, task_id: str) -> dict:
+        """Opens the agent-phase sandbox of `task_id` the way the eval runner does (`open_task_sandbox`:
+        the task's workdir, env, limits, network and, for Harbor tasks, /logs) and returns what the
+        rollout side needs: {"sid", "workdir", "network", "agent_timeout_s"}."""
+        from c2jax.rl.tasks.harbor import open_task_sandbox
+
+        task = self._task(task_id)
+        if not task.supported:
+            raise SandboxError(f"task {task_id} is unsupported: {task.unsupported_reason}")
+        sandbox, _logs = open_task_sandbox(self._factory(), task, "agent")
+        with self._sandbox_lock:  # environment workers serve concurrent calls
+            self._next += 1
+            sid = f"sb{self._next}"
+            self._sandboxes[sid] = sandbox
+        env = task.environment
+        return {"sid": sid, "workdir": sandbox.workdir, "network": bool(sandbox.network),
+                "agent_timeout_s": env.agent_timeout_s if env is not None else None}
 
     def sandbox_call(self, sid: str, method: str, args: tuple, kwargs: dict):
         if sid not in self._sandboxes:
@@ -202,7 +217,11 @@ class RemoteSandbox(Sandbox):
 
     def __init__(self, call: Callable, task_id: str):
         self._call = call  # call(method_name, *args) -> result, raising on timeout / a dead worker
-        self.sid = call("open_sandbox", task_id)
+        opened = call("open_sandbox", task_id)
+        self.sid = opened["sid"]
+        self.workdir: str = opened["workdir"]  # where the task's workspace is inside the sandbox
+        self.network: bool = opened["network"]
+        self.agent_timeout_s: float | None = opened["agent_timeout_s"]  # the task's [agent].timeout_sec
 
     def _fwd(self, method, *args, **kwargs):
         return self._call("sandbox_call", self.sid, method, args, kwargs)
@@ -289,6 +308,7 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
     """One agentic episode; an episode whose environment failed is re-run up to max_retries times. With
     `replay`, each segment's sequence carries the harness's per-token replay record."""
     from c2jax.rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
+    from c2jax.rl.harness.episode import with_agent_timeout
 
     error = None
     for attempt in range(1, max_retries + 2):
@@ -300,7 +320,9 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
             def reward_fn(_sandbox, traj):
                 return env_call("grade_patch", task_id, traj.final_diff)
 
-            traj = run_episode(agent, sandbox, EpisodeTask(task_id, instruction), default_registry(), cfg.episode,
+            # the task's [agent].timeout_sec bounds the episode as in c2jax eval (runner.task_episode_config)
+            episode = with_agent_timeout(cfg.episode, sandbox.agent_timeout_s)
+            traj = run_episode(agent, sandbox, EpisodeTask(task_id, instruction), default_registry(), episode,
                                seed=seed, reward_fn=reward_fn)
         except Exception:  # noqa: BLE001
             error = traceback.format_exc()

@@ -71,17 +71,38 @@ class SuiteConfig:
     ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
-def sandbox_factory(kind: str) -> SandboxFactory:
-    """`factory(repo_dir, **options)`; options (workdir, env, limits) come from a task's task.toml."""
-    if kind == "local":
-        from c2jax.rl.sandbox import LocalSandbox
+@dataclass(frozen=True)
+class BackendFactory:
+    """`factory(repo_dir, **options)` for one backend; options (workdir, env, limits, network) come from
+    a task's task.toml through `open_task_sandbox`. `allow_network` is the run's policy: when False (the
+    default) no task gets the network, whatever its task.toml permits."""
 
-        return lambda repo, **options: LocalSandbox(repo, allow_unisolated=True, **options)
-    if kind == "bwrap":
+    kind: str
+    allow_network: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ("bwrap", "local"):
+            raise ValueError(f"sandbox must be 'bwrap' or 'local', got {self.kind!r}")
+        if not isinstance(self.allow_network, bool):
+            raise ValueError(f"allow_network must be true or false, got {self.allow_network!r}")
+
+    def __call__(self, repo, **options):
+        if options.get("network") and not self.allow_network:
+            raise ValueError("a sandbox with the host network was asked of a factory whose run does not "
+                             "allow the network (allow_network: false)")
+        if self.kind == "local":
+            from c2jax.rl.sandbox import LocalSandbox
+
+            return LocalSandbox(repo, allow_unisolated=True, **options)
         from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
-        return lambda repo, **options: BwrapSandbox(repo, **options)
-    raise ValueError(f"sandbox must be 'bwrap' or 'local', got {kind!r}")
+        return BwrapSandbox(repo, **options)
+
+
+def sandbox_factory(kind: str, *, allow_network: bool = False) -> SandboxFactory:
+    """`factory(repo_dir, **options)`; options (workdir, env, limits, network) come from a task's
+    task.toml. With `allow_network`, tasks permitting the public internet share the host's network."""
+    return BackendFactory(kind, allow_network)
 
 
 def _spec(lib: LibraryConfig) -> SdistSpec:

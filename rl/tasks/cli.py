@@ -16,6 +16,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check hidden tests fail on the base and pass with the reference")
     val.add_argument("dir", help="a task directory or a suite of them")
     val.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local"))
+    val.add_argument("--allow-network", action="store_true",
+                     help="tasks whose task.toml permits the public internet share the host's network")
     val.add_argument("--json", default=None, help="also write the per-task results to this JSON file")
     return parser
 
@@ -42,9 +44,11 @@ def run(args) -> int:
             console.print(f"[red]skipped[/] {escape(err)}")
         return 1 if errors else 0
 
-    factory = sandbox_factory(args.sandbox)
+    factory = sandbox_factory(args.sandbox, allow_network=args.allow_network)
     results = []
     tasks = load_tasks(args.dir)
+    network = {t.id: note for t in tasks if t.supported and t.environment is not None
+               and (note := t.environment.network_note(args.allow_network)) is not None}
     with progress(len(tasks), desc="tasks validate", unit="task") as bar:
         for task in tasks:
             results.append(validate_task(task, factory))
@@ -56,7 +60,14 @@ def run(args) -> int:
     console.print(table)
     bad = [v for v in results if not v.ok]
     console.print(f"{len(results) - len(bad)}/{len(results)} tasks valid")
+    if network:
+        console.print(f"{len(network)} task(s) permit network access they do not get here "
+                      "(--allow-network shares the host network with tasks allowing the public internet):",
+                      markup=False)
+        for tid, note in sorted(network.items()):
+            console.print(f"  {tid}: {note}", markup=False, highlight=False)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"task_id": v.task_id, "ok": v.ok, "reason": v.reason} for v in results], f, indent=1)
+            json.dump([{"task_id": v.task_id, "ok": v.ok, "reason": v.reason, "network": network.get(v.task_id)}
+                       for v in results], f, indent=1)
     return 1 if bad else 0

@@ -99,6 +99,135 @@ def _copy_keeps_layout(context: Path, workdir: str, operands: list[str]) -> bool
     return True
 
 
+# ------------------------------------------------------------------------------------------- ENV
+def _expand(text: str, variables: dict[str, str], *, split: bool) -> list[str]:
+    """Docker's word processing of an ENV / ARG argument: quotes removed ('...' literal, "..." with
+    substitution), backslash escapes, and $VAR / ${VAR} / ${VAR:-default} / ${VAR:+alternative}
+    replaced from `variables` (unset: empty, as Docker does). `split`: unquoted whitespace separates
+    words (the key=value form); else the whole text is one word (the legacy `ENV KEY value` form)."""
+    words: list[str] = []
+    cur: list[str] = []
+    started = False
+    i, n = 0, len(text)
+
+    def variable(at: int) -> tuple[str, int]:
+        """(substituted text, index after it) for the `$` at `at`."""
+        if at + 1 < n and text[at + 1] == "{":
+            end = text.find("}", at + 2)
+            if end == -1:
+                return "$", at + 1
+            body = text[at + 2:end]
+            name, op, word = body, "", ""
+            for candidate in (":-", ":+"):
+                if candidate in body:
+                    name, _, word = body.partition(candidate)
+                    op = candidate
+                    break
+            value = variables.get(name)
+            if op == ":-":
+                out = value if value else "".join(_expand(word, variables, split=False))
+            elif op == ":+":
+                out = "".join(_expand(word, variables, split=False)) if value else ""
+            else:
+                out = value or ""
+            return out, end + 1
+        j = at + 1
+        while j < n and (text[j].isalnum() or text[j] == "_"):
+            j += 1
+        if j == at + 1:
+            return "$", at + 1
+        return variables.get(text[at + 1:j], ""), j
+
+    while i < n:
+        c = text[i]
+        if c == "\\" and i + 1 < n:
+            cur.append(text[i + 1])
+            started, i = True, i + 2
+        elif c == "'":
+            end = text.find("'", i + 1)
+            end = n if end == -1 else end
+            cur.append(text[i + 1:end])
+            started, i = True, end + 1
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                if text[i] == "\\" and i + 1 < n and text[i + 1] in '"$\\':
+                    cur.append(text[i + 1])
+                    i += 2
+                elif text[i] == "$":
+                    value, i = variable(i)
+                    cur.append(value)
+                else:
+                    cur.append(text[i])
+                    i += 1
+            started, i = True, i + 1
+        elif c == "$":
+            value, i = variable(i)
+            cur.append(value)
+            started = True
+        elif split and c.isspace():
+            if started:
+                words.append("".join(cur))
+            cur, started = [], False
+            i += 1
+        else:
+            cur.append(c)
+            started, i = True, i + 1
+    if started:
+        words.append("".join(cur))
+    return words
+
+
+def _assignments(ins: Instruction, variables: dict[str, str]) -> list[tuple[str, str]]:
+    """The (name, value) pairs of an ENV (or ARG with defaults) instruction, substituted."""
+    where = f"line {ins.line}"
+    first = ins.args.split(None, 1)[0] if ins.args.strip() else ""
+    if ins.word == "ENV" and "=" not in first:  # legacy form: ENV NAME the rest of the line
+        name, _, rest = ins.args.strip().partition(" ")
+        if not name or not rest.strip():
+            raise ValueError(f"{where}: ENV {ins.args!r} sets no value")
+        return [(name, "".join(_expand(rest.strip(), variables, split=False)))]
+    pairs = []
+    for word in _expand(ins.args, variables, split=True) if ins.word == "ENV" else ins.args.split():
+        name, eq, value = word.partition("=")
+        if ins.word == "ARG":
+            value = "".join(_expand(value, variables, split=False)) if eq else None
+        elif not eq:
+            raise ValueError(f"{where}: ENV {ins.args!r} mixes NAME=value pairs with a bare {word!r}")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
+            raise ValueError(f"{where}: {ins.word} {ins.args!r}: {name!r} is not a variable name")
+        pairs.append((name, value))
+    return pairs
+
+
+def env(dockerfile: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the image's ENV instructions leave, which Docker keeps for every process started
+    in the container. `$VAR` in a value is substituted as Docker does at build time: from earlier ENV and
+    ARG (with its default) of the stage, else from `base`, which stands for the base image's environment
+    (pass the sandbox's own, so `ENV PATH=/opt/bin:$PATH` keeps the sandbox's PATH), else empty. ARG
+    values themselves do not persist. A malformed ENV raises ValueError naming the file and line."""
+    base = dict(base or {})
+    out: dict[str, str] = {}
+    args: dict[str, str] = {}
+    global_args: dict[str, str] = {}
+    seen_from = False
+    for ins in instructions(dockerfile.read_text(errors="replace")):
+        try:
+            if ins.word == "FROM":
+                seen_from, out, args = True, {}, {}
+            elif ins.word == "ARG":
+                for name, value in _assignments(ins, {**base, **global_args, **args, **out}):
+                    if not seen_from:
+                        global_args[name] = value or ""
+                    elif name not in out:  # an ENV of the same name wins over the ARG
+                        args[name] = value if value is not None else global_args.get(name, "")
+            elif ins.word == "ENV":
+                out.update(_assignments(ins, {**base, **args, **out}))
+        except ValueError as e:
+            raise ValueError(f"{dockerfile.name} {e}") from None
+    return out
+
+
 def workdir(dockerfile: Path) -> str | None:
     """The image's working directory: every WORKDIR applied in turn (a relative one joins the last)."""
     current = None

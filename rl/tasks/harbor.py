@@ -16,7 +16,8 @@ What Harbor does (laude-institute/harbor: `agents/oracle.py`, `verifier/verifier
 
 Where c2jax differs: the verifier runs in a fresh sandbox holding the agent's diff (never the episode's
 sandbox, so nothing the agent left outside the workspace, or in /logs, reaches the grade); commands run
-as an unprivileged user on a read-only system, without network.
+as an unprivileged user on a read-only system, without network unless the run allows it for tasks
+that permit the public internet (`TaskEnvironment.shares_network`).
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ ORACLE_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 
 def open_task_sandbox(factory, task: Task, phase: str) -> tuple[Sandbox, HostWorkspace | None]:
     """A sandbox on the task's repository with its task.toml settings for `phase` ("agent", "solution",
-    "verifier"): workdir, env, limits (without settings the factory is called as before,
-    `factory(repo_dir)`); a Harbor task also gets an empty /logs, returned as host-side access."""
-    options = task.environment.sandbox_options(phase) if task.environment is not None else {}
+    "verifier"): workdir, env, limits, and `network=True` when the factory allows the network
+    (`factory.allow_network`, see `c2jax.rl.tasks.build.sandbox_factory`) and the task permits the
+    public internet. Without settings the factory is called as before, `factory(repo_dir)`. The
+    one entry point for eval, grading, validation and RL episodes alike; a Harbor task also gets an
+    empty /logs, returned as host-side access."""
+    allow = bool(getattr(factory, "allow_network", False))
+    options = task.environment.sandbox_options(phase, allow_network=allow) if task.environment is not None else {}
     sandbox = factory(task.repo_dir, **options) if options else factory(task.repo_dir)
     try:
         return sandbox, upload_logs(sandbox) if task.harbor else None

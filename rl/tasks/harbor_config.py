@@ -7,15 +7,18 @@ own tasks (which set none of them) keep the sandbox defaults. Honoured:
 
   [environment] workdir         the workspace is mounted there and every phase starts there
                 env             set for every command (agent, oracle, verifier); ${VAR} / ${VAR:-d}
-                                resolved from the host, as Harbor does
+                                resolved from the host, as Harbor does; over a plain Dockerfile's ENV
                 cpus            cgroup CPU quota (where the cpu controller is writable)
                 memory_mb, memory ("2G", "512M", "1024K": Harbor's deprecated spelling)
                                 the sandbox's memory cap
                 storage_mb, storage   caps each file and the private /tmp (the workspace's total
                                 size is not capped)
-                network_mode / allow_internet / allowed_hosts   c2jax grants no network in any case:
-                                "no-network" is exact, "public" / "allowlist" run with less than they
-                                permit (recorded in `network`)
+                network_mode / allow_internet / allowed_hosts   offline by default: "no-network" is
+                                exact; "public" runs offline unless the run allows the network
+                                (eval `allow_network`, RL `env.allow_network`), then on the host's
+                                network; "allowlist" always runs offline (a host allowlist is not
+                                enforced here). `network_note` says which tasks ran with less than
+                                they permit; validation and the eval report list them.
   [agent]       timeout_sec     the episode's wall clock (and the longest single command)
                 env             (not a Harbor field; accepted) set for the agent's commands
   [verifier]    timeout_sec     test.sh's wall clock (Task.timeout_s)
@@ -54,7 +57,8 @@ class TaskEnvironment:
     """The runtime fields of one task.toml (None / empty: not set, so the sandbox default applies)."""
 
     workdir: str | None = None
-    network: str = "public"  # Harbor's resolved baseline, for the record: c2jax runs every task offline
+    network: str = "public"  # Harbor's resolved baseline; only "public" can get the host network here
+    allowed_hosts: tuple[str, ...] = ()
     cpus: float | None = None
     memory_mb: int | None = None
     storage_mb: int | None = None
@@ -75,12 +79,30 @@ class TaskEnvironment:
                       file_size_bytes=base.file_size_bytes if storage is None else storage,
                       tmp_bytes=base.tmp_bytes if storage is None else min(base.tmp_bytes, storage))
 
-    def sandbox_options(self, phase: str) -> dict[str, Any]:
-        """Keyword options for a sandbox factory in `phase` ("agent", "solution" or "verifier")."""
+    def shares_network(self, allow_network: bool) -> bool:
+        """Whether the task's sandboxes get the host's network: the run allows it and the task permits
+        the public internet. An allowlist is never widened to the whole network."""
+        return bool(allow_network) and self.network == "public"
+
+    def network_note(self, allow_network: bool) -> str | None:
+        """Why the task runs with less network than its task.toml permits, or None when it does not."""
+        if self.network == "no-network" or self.shares_network(allow_network):
+            return None
+        if self.network == "allowlist":
+            hosts = ", ".join(self.allowed_hosts) or "no hosts listed"
+            return (f"network_mode allowlist ({hosts}): ran offline, c2jax does not enforce host allowlists "
+                    "(allow_network shares only with tasks allowing the public internet)")
+        return "the public internet is allowed by the task: ran offline (allow_network is off)"
+
+    def sandbox_options(self, phase: str, *, allow_network: bool = False) -> dict[str, Any]:
+        """Keyword options for a sandbox factory in `phase` ("agent", "solution" or "verifier");
+        `network=True` only when `shares_network(allow_network)`."""
         extra = {"agent": self.agent_env, "verifier": self.verifier_env, "solution": self.solution_env}
         if phase not in extra:
             raise ValueError(f"phase must be one of {sorted(extra)}, got {phase!r}")
         options: dict[str, Any] = {}
+        if self.shares_network(allow_network):
+            options["network"] = True
         if self.workdir is not None:
             options["workdir"] = self.workdir
         env = {**self.env, **extra[phase]}
@@ -194,15 +216,21 @@ def _refusals(spec: dict, environment: dict, agent: dict, verifier: dict) -> Non
 
 
 def parse_environment(spec: dict, *, dockerfile_workdir: str | None = None,
+                      dockerfile_env: dict[str, str] | None = None,
                       host_env: dict[str, str] | None = None) -> tuple[TaskEnvironment, str | None]:
     """(the task's runtime fields, None) or (defaults, why the task is refused). Malformed values raise
     HarborConfigError naming the field. `dockerfile_workdir` is the last WORKDIR of a plain Dockerfile,
-    the working directory when task.toml sets none (as Docker's image WORKDIR is for Harbor)."""
+    the working directory when task.toml sets none (as Docker's image WORKDIR is for Harbor);
+    `dockerfile_env` is what its ENV instructions set, under `[environment].env` (Harbor passes that
+    to the container, over the image's ENV)."""
     from c2jax.rl.sandbox.bwrap import check_mount_point
 
     environment, agent = _table(spec, "environment"), _table(spec, "agent")
     verifier, solution = _table(spec, "verifier"), _table(spec, "solution")
     network = network_baseline(environment)
+    hosts = environment.get("allowed_hosts") or []
+    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
+        raise HarborConfigError(f"[environment].allowed_hosts must be a list of host names, got {hosts!r}")
     workdir = environment.get("workdir", dockerfile_workdir)
     memory = _positive(environment, "memory_mb", "[environment]", int)
     if memory is None and environment.get("memory") is not None:
@@ -221,11 +249,12 @@ def parse_environment(spec: dict, *, dockerfile_workdir: str | None = None,
             except ValueError as e:
                 raise Refused(str(e)) from None
         parsed = TaskEnvironment(
-            workdir=workdir, network=network, cpus=cpus, memory_mb=memory, storage_mb=storage,
-            env=resolve_env(environment, "[environment]", host_env), agent_timeout_s=agent_timeout,
+            workdir=workdir, network=network, allowed_hosts=tuple(hosts), cpus=cpus, memory_mb=memory,
+            storage_mb=storage, env={**(dockerfile_env or {}), **resolve_env(environment, "[environment]", host_env)},
+            agent_timeout_s=agent_timeout,
             agent_env=resolve_env(agent, "[agent]", host_env),
             verifier_env=resolve_env(verifier, "[verifier]", host_env),
             solution_env=resolve_env(solution, "[solution]", host_env))
     except Refused as e:
-        return TaskEnvironment(network=network), str(e)
+        return TaskEnvironment(network=network, allowed_hosts=tuple(hosts)), str(e)
     return parsed, None

@@ -135,6 +135,20 @@ def load_task(path: str | Path) -> Task:
     raise TaskFormatError(f"{path}: no task.toml or task.yaml")
 
 
+def _dockerfile_env(dockerfile: Path) -> tuple[dict[str, str], str | None]:
+    """(what the Dockerfile's ENV instructions set, None) or ({}, why they cannot be read). Docker keeps
+    ENV for every process of the container, so c2jax sets it for every command of the task; `$PATH`
+    and the like in a value stand for the sandbox's own environment (the base image's, in Docker)."""
+    if not dockerfile.is_file():
+        return {}, None
+    from c2jax.rl.sandbox.bwrap import default_env
+
+    try:
+        return docker.env(dockerfile, base=default_env()), None
+    except ValueError as e:
+        return {}, str(e)
+
+
 def _load_harbor(path: Path) -> Task:
     try:
         spec = tomllib.loads((path / "task.toml").read_text())
@@ -147,11 +161,14 @@ def _load_harbor(path: Path) -> Task:
         raise TaskFormatError(f"{path}: missing instruction.md")
     env_dir = path / "environment"
     dockerfile = env_dir / "Dockerfile"
+    image_env, env_error = _dockerfile_env(dockerfile)
     try:
         environment, unsupported = parse_environment(
-            spec, dockerfile_workdir=docker.workdir(dockerfile) if dockerfile.is_file() else None)
+            spec, dockerfile_workdir=docker.workdir(dockerfile) if dockerfile.is_file() else None,
+            dockerfile_env=image_env)
     except HarborConfigError as e:
         raise TaskFormatError(f"{path / 'task.toml'}: {e}") from None
+    unsupported = unsupported or env_error
     repo_dir = None
     if (env_dir / "repo").is_dir():
         repo_dir = env_dir / "repo"
@@ -200,6 +217,8 @@ def _load_tb1(path: Path) -> Task:
         unsupported = docker.unsupported_reason(path / "Dockerfile")
     if not (path / "run-tests.sh").is_file() and unsupported is None:
         unsupported = "no run-tests.sh"
+    image_env, env_error = _dockerfile_env(path / "Dockerfile")
+    unsupported = unsupported or env_error
     script = (path / "solution.sh").read_text() if (path / "solution.sh").is_file() else None
     meta = {k: v for k, v in spec.items() if k not in {"instruction", "difficulty", "category"}}
     return Task(
@@ -207,7 +226,9 @@ def _load_tb1(path: Path) -> Task:
         repo_dir=_tb1_workspace(path) if unsupported is None else None,
         tests_dir=path, kind="tb1", category=str(spec.get("category", "software_engineering")),
         difficulty=str(spec.get("difficulty", "medium")), timeout_s=float(spec.get("max_test_timeout_sec", 60)),
-        solution_script=script, unsupported_reason=unsupported, metadata=meta, path=path)
+        solution_script=script, unsupported_reason=unsupported, metadata=meta, path=path,
+        # Terminal-Bench 1's containers have the public internet (offline here unless the run allows it)
+        environment=TaskEnvironment(network="public", env=image_env))
 
 
 def _tb1_workspace(path: Path) -> Path:
