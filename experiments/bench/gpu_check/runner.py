@@ -55,8 +55,8 @@ SPECS = (
          90, 120),
     Spec("quantizers", "Quantizers (MXFP8, NVFP4 per token, DeepSeek FP8, permute+MXFP8): GB/s", 35, 90),
     Spec("train_medium", "`medium` preset training step, bf16: tokens/s and MFU at S = 4k and 32k", 130, 120),
-    Spec("sampler", "Sampler decode tokens/s and bandwidth utilisation at batch 1/8/32; MTP speculation", 60, 120),
-    Spec("rl_step", "One RL learner step with router replay", 50, 120),
+    Spec("sampler", "Sampler decode tokens/s and bandwidth utilisation at batch 1/8/32; MTP speculation", 70, 120),
+    Spec("rl_step", "One RL learner step with router replay", 70, 120),
 )
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
@@ -239,7 +239,8 @@ def markdown(report: dict) -> str:
         if checks:
             lines += ["", "| check | passed | detail |", "| --- | --- | --- |"]
             for c in checks:
-                lines.append(f"| {_fmt(c['name'])} | {'yes' if c['passed'] else '**no**'} | {_fmt(c.get('detail', ''))} |")
+                passed = "yes" if c["passed"] else "**no**"
+                lines.append(f"| {_fmt(c['name'])} | {passed} | {_fmt(c.get('detail', ''))} |")
         rows = _flatten(s.get("results") or {})
         if rows:
             lines += ["", "| measurement | value |", "| --- | --- |"]
@@ -324,7 +325,8 @@ def main(argv=None) -> int:
     log_path = out_dir / LOG_NAME
     log_path.write_text(f"gpu_check log, started {_now_utc()}\n")
     start = time.monotonic()
-    report = {"tool": "experiments.bench.gpu_check", "argv": ["gpu_check", *(argv if argv is not None else sys.argv[1:])],
+    shown_argv = ["gpu_check", *(argv if argv is not None else sys.argv[1:])]
+    report = {"tool": "experiments.bench.gpu_check", "argv": shown_argv,
               "dry_run": args.dry_run, "started_utc": _now_utc(), "budget_s": budget, "total_s": 0.0,
               "env": {}, "sections": []}
     no_gpu_reason = None

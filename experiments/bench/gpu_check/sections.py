@@ -99,7 +99,8 @@ class Context:
         """Run one sub-measurement: its value is recorded under `key`; Skip and exceptions are recorded there
         too (the section goes on); it is not started with less than `need_s` seconds to the deadline."""
         if self.left() < need_s:
-            self.set(key, f"skipped: {max(self.left(), 0):.0f} s left before the section's deadline, needs ~{need_s:.0f}")
+            left = max(self.left(), 0)
+            self.set(key, f"skipped: {left:.0f} s left before the section's deadline, needs ~{need_s:.0f}")
             return None
         self.record["current"] = key
         self.flush()
@@ -302,11 +303,15 @@ def section_model(ctx: Context) -> None:
     cpu = jax.devices("cpu")[0]
     dev = jax.devices()[0]
     batch, seq = ctx.size((2, 256), (1, 32))
-    base = preset("tiny").replace(num_nextn_predict_layers=0, **ctx.size({}, DRY_MODEL))
+    # head dims multiples of 8 (q.k 32, v 16): what cuDNN attention accepts, so bf16 on a GPU runs it
+    base = preset("tiny").replace(num_nextn_predict_layers=0, qk_nope_head_dim=24, qk_rope_head_dim=8,
+                                  v_head_dim=16, **ctx.size({}, DRY_MODEL))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, base.vocab_size, (batch, seq + 1)).astype(np.int32)
     ids, targets = tokens[:, :-1], tokens[:, 1:]
-    ctx.set("shape", {"batch": batch, "seq": seq, "preset": "tiny", "device": str(dev), "reference": str(cpu)})
+    ctx.set("shape", {"batch": batch, "seq": seq, "preset": "tiny, head dims q.k 32 / v 16", "device": str(dev),
+                      "reference": str(cpu), "attention": "device default (GPU: cuDNN for bf16, blockwise for "
+                                                          "fp32); CPU: auto (dense at these S)"})
 
     cache = {}
 
@@ -405,7 +410,8 @@ def section_model(ctx: Context) -> None:
     ctx.sub("ep_ragged_a2a", ep_ragged_a2a, need_s=ctx.size(10, 2))
     bf = ctx.record["results"].get("bf16")
     if isinstance(bf, dict):
-        ctx.headline(f"bf16 grads rel err {bf['grads_err_vs_fp32_ref']:.1e} (CPU {bf['cpu_grads_err_vs_fp32_ref']:.1e})")
+        ctx.headline(f"bf16 grads rel err {bf['grads_err_vs_fp32_ref']:.1e} "
+                     f"(CPU {bf['cpu_grads_err_vs_fp32_ref']:.1e})")
 
 
 def section_attention(ctx: Context) -> None:
@@ -467,7 +473,8 @@ def section_attention(ctx: Context) -> None:
                             "dk": rel_err(grads[1], ref_grads[1]), "dv": rel_err(grads[2], ref_grads[2])}
                     tol = 1e-4 if dtype == "float32" else 2e-2
                     worst = max(errs.values())
-                    ctx.check(f"attention {backend} {dtype} {case} == dense oracle", worst <= tol and np.isfinite(worst),
+                    ctx.check(f"attention {backend} {dtype} {case} == dense oracle",
+                              worst <= tol and np.isfinite(worst),
                               f"worst rel L2 {worst:.2e} (tol {tol:g})")
                     return errs
 
@@ -990,7 +997,8 @@ def section_rl_step(ctx: Context) -> None:
         m = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
         override = m.get("replay/override_fraction")
         finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-        ctx.check("RL step loss and gradient norm finite", finite, f"loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}")
+        ctx.check("RL step loss and gradient norm finite", finite,
+                  f"loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}")
         ctx.check("RL step router replay: the learner used the sampler's experts", override == 0.0,
                   f"replay/override_fraction {override}")
         step_s = min(times)
