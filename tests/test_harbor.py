@@ -427,6 +427,32 @@ def test_rl_environment_opens_tasks_as_eval_does(bwrap):
     assert remote.agent_timeout_s == 2.0
 
 
+def test_rl_remote_sandbox_runs_glob_and_grep_on_the_environment_worker(bwrap):
+    """The rollout side has no host tree: glob / grep run on the environment worker, with the workdir's
+    path rules, and a refused path or a missing directory comes back as the model's error."""
+    from c2jax.rl.harness import ToolCall, ToolContext, default_registry
+    from c2jax.rl.system.envs import RemoteSandbox
+
+    host, env_call = _rl_host({"solution-dir": FIXTURES / "solution-dir"})
+    reg = default_registry()
+    remote = RemoteSandbox(env_call, "solution-dir")
+    try:
+        ctx = ToolContext(remote, workdir=remote.workdir)
+
+        def run(name, arguments):
+            return reg.execute(ToolCall("c", name, arguments), ctx)
+
+        assert run("write_file", {"path": "/app/src/x.py", "content": "X = 1\n"}).output.startswith("Created")
+        assert run("grep", {"pattern": "X =", "path": "/app/src"}).output.startswith("src/x.py:1:X = 1")
+        assert run("glob", {"pattern": "*.py"}).output == "src/x.py"
+        refused = run("grep", {"pattern": "x", "path": "/workspace"})
+        assert refused.is_error and refused.output.startswith("Error: path refused") and "/app" in refused.output
+        missing = run("glob", {"pattern": "*", "path": "nope"})
+        assert missing.is_error and "nope does not exist" in missing.output
+    finally:
+        remote.close()
+
+
 class _ScriptedPolicy:
     """A TokenPolicy that emits fixed assistant texts, one per call, and keeps the prompts it saw."""
 

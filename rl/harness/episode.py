@@ -139,8 +139,9 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
                       deadline=t0 + config.wall_clock_s)
     traj = Trajectory(trajectory_id or uuid.uuid4().hex, task.task_id, agent.name,
                       metadata={**task.metadata, **(metadata or {}), "seed": seed})
+    network = bool(getattr(sandbox, "network", False))
     system = build_system_prompt(tools, config.system_instructions, agent.tools_in_system_prompt,
-                                 config.tool_schemas, workdir=workdir, network=bool(getattr(sandbox, "network", False)))
+                                 config.tool_schemas, workdir=workdir, network=network)
     totals = {"model_s": 0.0, "tool_s": 0.0, "summary_s": 0.0}
     generated = 0
 

@@ -169,7 +169,41 @@ def list_dir(ctx: ToolContext, path: str, depth: int) -> str:
     return f"{rel}/\n" + "\n".join("  " + line for line in lines) + cut
 
 
+def _remote(ctx: ToolContext, name: str, arguments: dict) -> str | None:
+    """glob / grep on a sandbox whose tree is not on this machine (`RemoteSandbox` of the RL system has a
+    `search` method): the environment worker holding it runs the same function next to the tree
+    (`run_search`). None for local sandboxes."""
+    search = getattr(ctx.sandbox, "search", None)
+    if search is None:
+        return None
+    error, output = search(name, arguments, ctx.workdir)
+    if error == "path":
+        raise SandboxPathError(output)
+    if error:
+        raise ToolError(output)
+    return output
+
+
+def run_search(sandbox, name: str, arguments: dict, workdir: str) -> tuple[str, str]:
+    """("", output) of glob or grep on `sandbox` (a sandbox with a host tree), or ("path" | "tool", message)
+    for a refused path or another mistake of the model: the environment-worker side of `_remote`."""
+    from c2jax.rl.harness.registry import ToolContext
+
+    functions = {"glob": glob_files, "grep": grep}
+    if name not in functions:
+        raise ValueError(f"run_search runs glob or grep, not {name!r}")
+    try:
+        return "", functions[name](ToolContext(sandbox, workdir=workdir), **arguments)
+    except SandboxPathError as e:
+        return "path", str(e)
+    except ToolError as e:
+        return "tool", str(e)
+
+
 def glob_files(ctx: ToolContext, pattern: str, path: str) -> str:
+    remote = _remote(ctx, "glob", {"pattern": pattern, "path": path})
+    if remote is not None:
+        return remote
     rel = _rel(ctx, path)
     match = glob_matcher(pattern)
     root, start = host_target(ctx, rel)
@@ -194,6 +228,10 @@ def grep(ctx: ToolContext, pattern: str, path: str, include: str | None, case_in
         regex = re.compile(pattern, re.IGNORECASE if case_insensitive else 0)
     except re.error as e:
         raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
+    remote = _remote(ctx, "grep", {"pattern": pattern, "path": path, "include": include,
+                                   "case_insensitive": case_insensitive, "max_results": max_results})
+    if remote is not None:
+        return remote
     rel = _rel(ctx, path)
     match = glob_matcher(include) if include else None
     root, start = host_target(ctx, rel)

@@ -199,6 +199,14 @@ class EnvironmentHost:
             raise SandboxError(f"sandbox {sid} is gone (the environment worker restarted?)")
         return getattr(self._sandboxes[sid], method)(*args, **kwargs)
 
+    def sandbox_search(self, sid: str, name: str, arguments: dict, workdir: str) -> tuple[str, str]:
+        """The glob / grep tools run here, next to the sandbox's tree (`fs_tools.run_search`)."""
+        from c2jax.rl.harness.fs_tools import run_search
+
+        if sid not in self._sandboxes:
+            raise SandboxError(f"sandbox {sid} is gone (the environment worker restarted?)")
+        return run_search(self._sandboxes[sid], name, arguments, workdir)
+
     def close_sandbox(self, sid: str) -> None:
         sandbox = self._sandboxes.pop(sid, None)
         if sandbox is not None:
@@ -249,6 +257,10 @@ class RemoteSandbox(Sandbox):
 
     def host_path(self):
         raise SandboxError("a remote sandbox has no host path on the rollout worker")
+
+    def search(self, name: str, arguments: dict, workdir: str) -> tuple[str, str]:
+        """glob / grep run on the environment worker, which has the tree (`fs_tools._remote`)."""
+        return self._call("sandbox_search", self.sid, name, arguments, workdir)
 
     def diff(self):
         return self._fwd("diff")
