@@ -328,15 +328,23 @@ def test_dockerfile_env_reaches_every_phase(bwrap, oracle, nop):
     assert r.stdout.split("\n")[:3] == ["/app", "hello from the image", "venv-still-on-path"], r.stderr
 
 
-def test_tb1_dockerfile_env_is_applied(tmp_path):
+def test_tb1_dockerfile_env_is_applied(tmp_path, bwrap):
+    """A Terminal-Bench 1 task's Dockerfile ENV reaches its solution.sh and its tests (validation)."""
     d = tmp_path / "tb1"
-    d.mkdir()
-    (d / "task.yaml").write_text("instruction: x\n")
-    (d / "run-tests.sh").write_text("true\n")
+    (d / "tests").mkdir(parents=True)
+    (d / "task.yaml").write_text("instruction: Write $MODE to mode.txt\nmax_test_timeout_sec: 60\n")
+    (d / "run-tests.sh").write_text("#!/bin/bash\npython -m pytest $TEST_DIR/test_outputs.py\n")
+    (d / "tests" / "test_outputs.py").write_text(
+        "import os\nfrom pathlib import Path\n\n\ndef test_mode():\n"
+        "    assert os.environ['MODE'] == 'strict' == Path('mode.txt').read_text().strip()\n")
+    (d / "solution.sh").write_text('echo "$MODE" > mode.txt\n')
     (d / "Dockerfile").write_text("FROM x\nWORKDIR /app\nENV MODE=strict\nCOPY . /app\n")
     task = load_task(d)
     assert task.supported and task.environment.env == {"MODE": "strict"}
     assert task.environment.network == "public"  # Terminal-Bench 1 containers have the internet
+    v = validate_task(task, bwrap)
+    assert v.ok, v.reason
+    assert (list(v.base.tests_status.values()), list(v.reference.tests_status.values())) == (["FAILED"], ["PASSED"])
 
 
 # ------------------------------------------------------------------------------- tools in the workdir

@@ -278,7 +278,8 @@ def reference_patch(task: Task, factory: SandboxFactory) -> str | None:
         return task.solution_patch
     if task.solution_script is None:
         return None
-    with factory(task.repo_dir) as sb:
+    sb, _ = open_task_sandbox(factory, task, "solution")  # the task's env (a Dockerfile's ENV) applies
+    with sb:
         sb.write_text(".c2jax-solve.sh", task.solution_script)
         sb.exec("bash .c2jax-solve.sh", timeout_s=task.timeout_s)
         sb.remove(".c2jax-solve.sh")
