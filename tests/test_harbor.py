@@ -588,3 +588,14 @@ def test_tasks_validate_lists_tasks_that_permit_more_network(tmp_path, loopback,
     assert "wants-net: the public internet is allowed by the task: ran offline" in printed
     assert {v["task_id"]: v["network"] is not None for v in json.loads(out.read_text())} == \
         {"offline": False, "wants-net": True}
+
+
+def test_resuming_a_run_under_another_network_policy_is_refused(tmp_path, loopback, bwrap):
+    task = load_task(_network_task(tmp_path, "net", ""))
+    out = tmp_path / "run"
+    evaluate([task], scripted_factory("nop"), 1, config=EvalConfig(concurrency=1), out_dir=out,
+             sandbox_factory=bwrap, progress=False)
+    assert json.loads((out / "run.json").read_text())["network_restricted"].keys() == {"net"}
+    with pytest.raises(ValueError, match="allow_network changed"):
+        evaluate([task], scripted_factory("nop"), 1, config=EvalConfig(concurrency=1, allow_network=True),
+                 out_dir=out, sandbox_factory=sandbox_factory("bwrap", allow_network=True), progress=False)

@@ -254,7 +254,7 @@ def evaluate(tasks: Sequence[Task], agent_factory: AgentFactory, samples: int | 
     if out_dir is not None:
         out = Path(out_dir)
         check_run_manifest(out, {"label": label, "suite_fingerprint": fingerprint(tasks), "samples": cfg.samples,
-                                 "unsupported": unsupported, "step": step})
+                                 "unsupported": unsupported, "step": step, "network_restricted": offline})
         store = ResultStore(out / "samples.jsonl")
         for r in store.read():  # the last record of a pair wins (a retried error replaces the first)
             previous[r.key] = r

@@ -114,5 +114,10 @@ def check_run_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
             if old.get(key) != manifest.get(key):
                 raise ValueError(f"{out_dir} holds a run with a different {key} ({old.get(key)!r} vs "
                                  f"{manifest.get(key)!r}); use a new --out directory")
+        # which tasks ran without the network they permit (allow_network): results must not mix both
+        if "network_restricted" in old and old["network_restricted"] != manifest.get("network_restricted"):
+            raise ValueError(f"{out_dir} holds a run whose tasks had other network access (allow_network "
+                             f"changed: offline then {sorted(old['network_restricted'])}, now "
+                             f"{sorted(manifest.get('network_restricted') or {})}); use a new --out directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(manifest, indent=1))
