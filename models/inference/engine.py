@@ -19,8 +19,14 @@ import numpy as np
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
-from c2jax.models.inference.forward import init_cache
+from c2jax.models.inference.forward import init_cache, init_mtp_cache
 from c2jax.models.inference.sampling import SamplingParams
+from c2jax.models.inference.speculative import (
+    copy_mtp_row,
+    init_spec_state,
+    prefill_slot_spec,
+    spec_decode_chunk,
+)
 from c2jax.models.inference.steps import SlotState, copy_row, decode_chunk, prefill_slot
 
 
@@ -36,11 +42,20 @@ class EngineConfig:
     key_bucket: int = 64  # attention reads cache positions [0, k * key_bucket) for the smallest k that fits
     min_prompt_bucket: int = 16  # prompts are padded to a power of two >= this
     absorbed: bool = True  # absorbed-MLA decode; False: the expanded oracle
+    # MTP speculative decoding (docs/inference.md): k drafts per round, 0 = off (needs MTP modules)
+    speculative_k: int = 0
+    speculative_rounds: int = 4  # speculative rounds per host call (each emits 1..k+1 tokens per slot)
+    # speculate only while at most this many slots are live; above it a chunk is plain decoding (the verify
+    # pass costs ~k+1 tokens of compute per slot, which stops paying once decoding is compute-bound)
+    speculative_max_batch: int = 4
 
     def __post_init__(self):
-        for name in ("slots", "max_len", "chunk_steps", "key_bucket", "min_prompt_bucket"):
+        for name in ("slots", "max_len", "chunk_steps", "key_bucket", "min_prompt_bucket", "speculative_rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("speculative_k", "speculative_max_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,14 @@ class InferenceEngine:
         self._queue: collections.deque[tuple[int, Request]] = collections.deque()
         self._done: dict[int, GenerationResult] = {}
         self._ids = itertools.count()
-        self._prefix: tuple[list[int], object, np.ndarray | None] | None = None
+        self._prefix: tuple[list[int], object, object, np.ndarray | None] | None = None
+        self.speculative = config.speculative_k > 0
+        if self.speculative and cfg.num_nextn_predict_layers == 0:
+            raise ValueError("EngineConfig.speculative_k > 0 needs MTP modules (cfg.num_nextn_predict_layers = 0)")
+        # MTP cache and draft anchors; kept up to date in plain chunks too, so speculation can resume
+        self.mtp_cache = init_mtp_cache(cfg, b, config.max_len) if self.speculative else None
+        self.spec = init_spec_state(cfg, b, config.speculative_k + 1) if self.speculative else None
+        self.spec_stats = {"rounds": 0, "drafted": 0, "accepted": 0, "spec_chunks": 0, "plain_chunks": 0}
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> InferenceEngine:
@@ -114,7 +136,7 @@ class InferenceEngine:
             if live is None:
                 continue
             history = list(live.request.prompt_ids) + live.result.token_ids[:-1]
-            self._prefill(slot, history, 0, live.request)
+            self._prefill(slot, history, 0, live.request, next_token=live.result.token_ids[-1])
 
     # prompt caching ---------------------------------------------------------------------------------
     def set_prefix(self, prefix_ids: Sequence[int]) -> None:
@@ -122,9 +144,11 @@ class InferenceEngine:
         prefix = [int(t) for t in prefix_ids]
         self._check_prompt(prefix, 0)
         row = init_cache(self.cfg, 1, self.config.max_len)
-        out = self._run_prefill(row, 0, prefix, 0, Request(prefix, 1))
+        mtp_row = init_mtp_cache(self.cfg, 1, self.config.max_len) if self.speculative else None
+        spec_row = init_spec_state(self.cfg, 1, self.config.speculative_k + 1) if self.speculative else None
+        out, mtp_row, _ = self._run_prefill(row, mtp_row, spec_row, 0, prefix, 0, Request(prefix, 1))
         experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)[: len(prefix)]
-        self._prefix = (prefix, out.cache, experts)
+        self._prefix = (prefix, out.cache, mtp_row, experts)
 
     # requests ---------------------------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int], max_new_tokens: int) -> None:
@@ -183,15 +207,23 @@ class InferenceEngine:
         kb = self.config.key_bucket
         return min(self.config.max_len, -(-needed // kb) * kb)
 
-    def _run_prefill(self, cache, slot: int, tokens: list[int], start: int, request: Request):
+    def _run_prefill(self, cache, mtp_cache, spec, slot: int, tokens: list[int], start: int, request: Request,
+                     next_token: int = -1):
+        """-> (PrefillOutput, mtp_cache, spec); the MTP parts are None unless speculative. next_token >= 0: the
+        token known to follow `tokens` (a re-prefill's pending token) instead of the sampled one."""
         n = len(tokens)
         bucket = _pow2_at_least(n, self.config.min_prompt_bucket)
         padded = jnp.asarray([tokens + [0] * (bucket - n)], jnp.int32)
-        return prefill_slot(self.cfg, self.graphdef, self.state, cache, padded, jnp.int32(n), jnp.int32(slot),
-                            jnp.int32(start), self._sampling([request]), key_len=self._key_len(start + bucket))
+        args = (jnp.int32(n), jnp.int32(slot), jnp.int32(start), self._sampling([request]))
+        key_len = self._key_len(start + bucket)
+        if self.speculative:
+            return prefill_slot_spec(self.cfg, self.graphdef, self.state, cache, mtp_cache, spec, padded, *args,
+                                     jnp.int32(next_token), key_len=key_len)
+        return prefill_slot(self.cfg, self.graphdef, self.state, cache, padded, *args, key_len=key_len), None, None
 
-    def _prefill(self, slot: int, prompt: list[int], start: int, request: Request):
-        out = self._run_prefill(self.cache, slot, prompt[start:], start, request)
+    def _prefill(self, slot: int, prompt: list[int], start: int, request: Request, next_token: int = -1):
+        out, self.mtp_cache, self.spec = self._run_prefill(self.cache, self.mtp_cache, self.spec, slot,
+                                                           prompt[start:], start, request, next_token)
         self.cache = out.cache
         return out
 
@@ -199,9 +231,12 @@ class InferenceEngine:
         prompt = [int(t) for t in request.prompt_ids]
         start, prefix_experts = 0, None
         if self._prefix is not None:
-            prefix, prefix_cache, prefix_experts = self._prefix
+            prefix, prefix_cache, prefix_mtp, prefix_experts = self._prefix
             if len(prompt) > 1 and prompt[: len(prefix)] == prefix:
                 start = min(len(prefix), len(prompt) - 1)  # at least one token left to produce logits
+                if self.speculative:  # the prefix's last MTP entry needs the token after it: recompute it
+                    start -= 1
+                    self.mtp_cache = copy_mtp_row(self.mtp_cache, prefix_mtp, jnp.int32(slot))
                 self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
         out = self._prefill(slot, prompt, start, request)
         prompt_experts = None
@@ -266,19 +301,57 @@ class InferenceEngine:
         steps = self.config.chunk_steps
         state = SlotState(jnp.asarray(self._pending), jnp.asarray(self._lengths), jnp.asarray(live),
                           jnp.asarray(self._remaining))
+        if self.speculative:
+            self._spec_chunk(state, stop_ids, requests, int(sum(live)))
+            return
         key_len = self._key_len(int(self._lengths[live].max()) + steps)
         self.cache, new_state, out = decode_chunk(
             self.cfg, self.graphdef, self.state, self.cache, state, jnp.asarray(stop_ids),
             self._sampling(requests), steps=steps, key_len=key_len, absorbed=self.config.absorbed)
-        tokens, logprobs, raw = np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.raw_logprobs)
-        valid = np.asarray(out.valid)
-        experts = None if out.expert_ids is None else np.asarray(out.expert_ids)
         self._lengths = np.array(new_state.lengths)
-        for i in range(steps):
+        self._record_chunk(out.tokens[..., None], out.logprobs[..., None], out.raw_logprobs[..., None],
+                           None if out.expert_ids is None else out.expert_ids[:, :, None], out.valid[..., None])
+
+    def _spec_chunk(self, state: SlotState, stop_ids: np.ndarray, requests, n_live: int) -> None:
+        """One host call of speculative rounds, or (more live slots than speculative_max_batch) plain steps
+        that keep the MTP cache current (k = 0 rounds)."""
+        cfg = self.config
+        k = cfg.speculative_k if n_live <= cfg.speculative_max_batch else 0
+        rounds = cfg.speculative_rounds if k else cfg.chunk_steps
+        key_len = self._key_len(int(self._lengths[np.asarray(state.active)].max()) + rounds * (k + 1) + 1)
+        self.cache, self.mtp_cache, new_state, self.spec, out = spec_decode_chunk(
+            self.cfg, self.graphdef, self.state, self.cache, self.mtp_cache, state, self.spec,
+            jnp.asarray(stop_ids), self._sampling(requests), rounds=rounds, k=k, key_len=key_len,
+            absorbed=cfg.absorbed)
+        self._lengths = np.array(new_state.lengths)
+        stats = self.spec_stats
+        stats["spec_chunks" if k else "plain_chunks"] += 1
+        if k:
+            drafted = np.asarray(out.drafted)
+            stats["rounds"] += int((drafted > 0).sum())
+            stats["drafted"] += int(drafted.sum())
+            stats["accepted"] += int(np.asarray(out.accepted).sum())
+        o = out.out
+        self._record_chunk(o.tokens, o.logprobs, o.raw_logprobs, o.expert_ids, o.valid)
+
+    def _record_chunk(self, tokens, logprobs, raw, experts, valid) -> None:
+        """Record a chunk's tokens: arrays [steps, B, T] (T tokens per step and slot), in order."""
+        tokens, logprobs, raw = np.asarray(tokens), np.asarray(logprobs), np.asarray(raw)
+        valid = np.asarray(valid)
+        experts = None if experts is None else np.asarray(experts)
+        for i in range(tokens.shape[0]):
             for slot in range(self.config.slots):
-                if valid[i, slot] and self._slots[slot] is not None:
-                    self._record(slot, self._live_ids[slot], int(tokens[i, slot]), float(logprobs[i, slot]),
-                                 float(raw[i, slot]), None if experts is None else experts[i, slot])
+                for j in range(tokens.shape[2]):
+                    if valid[i, slot, j] and self._slots[slot] is not None:
+                        self._record(slot, self._live_ids[slot], int(tokens[i, slot, j]),
+                                     float(logprobs[i, slot, j]), float(raw[i, slot, j]),
+                                     None if experts is None else experts[i, slot, j])
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafts kept / drafts proposed so far (None before any speculative round)."""
+        drafted = self.spec_stats["drafted"]
+        return self.spec_stats["accepted"] / drafted if drafted else None
 
     def _slots_requests(self) -> list[Request | None]:
         return [None if s is None else s.request for s in self._slots]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
+from c2jax.models.layers import dense
 from c2jax.models.rope import apply_rope, rope_tables
 
 _NEG_INF = -1e30  # same finite mask value as c2jax.models.attention
@@ -64,16 +65,22 @@ def _layers(model):
     return out
 
 
+def _write(attn, x, cos, sin, cache: LayerCache, slot_idx, positions) -> LayerCache:
+    """Write the cache entries (latent, shared RoPE key) of inputs x [b, T, d] at `positions` [b, T] of rows
+    `slot_idx` [b] (None: row i is slot i). Writes past the cache end are dropped."""
+    latent, k_rope = attn.latents(x, cos, sin)
+    rows = (jnp.arange(x.shape[0]) if slot_idx is None else slot_idx)[:, None]
+    return LayerCache(cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype), mode="drop"),
+                      cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype), mode="drop"))
+
+
 def _attend(cfg: ModelConfig, attn, x, cos, sin, cache: LayerCache, slot_idx, positions, key_len: int,
             absorbed: bool):
     """MLA over the cache for queries at `positions` [b, T]; writes this step's latents first."""
     q = attn.queries(x)
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-    latent, k_rope = attn.latents(x, cos, sin)
-    rows = (jnp.arange(x.shape[0]) if slot_idx is None else slot_idx)[:, None]
-    cache = LayerCache(cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype), mode="drop"),
-                       cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype), mode="drop"))
+    cache = _write(attn, x, cos, sin, cache, slot_idx, positions)
     if slot_idx is None:  # decode: every slot in order, a slice rather than a gather of the whole cache
         c, kr = cache.latent[:, :key_len], cache.k_rope[:, :key_len]
     else:
@@ -107,13 +114,77 @@ class StepOutput(NamedTuple):
     logits: jnp.ndarray  # [b, T, V] float32
     expert_ids: jnp.ndarray | None  # [b, T, L_moe, k] int32 experts chosen for each input token
     cache: tuple[LayerCache, ...]
+    hidden: jnp.ndarray | None = None  # [b, T, d] final hidden state before the output norm
 
 
-def prepare(graphdef: nnx.GraphDef, state: nnx.State):
-    """(model, per-layer modules). Slicing the stacked layer parameters once, outside a decode loop, keeps
-    XLA from copying every layer's weights out of the stacks on every step."""
+def _mtp_modules(model):
+    """The MTP modules in depth order, sliced out of their stack (empty without MTP)."""
+    if model.mtp is None:
+        return []
+    graphdef, state = nnx.split(model.mtp)
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
+            for j in range(model.cfg.num_nextn_predict_layers)]
+
+
+class Prepared(NamedTuple):
+    model: nnx.Module
+    layers: list  # [(decoder layer module, is_moe)]
+    mtp: list  # MTP modules, depth order
+
+
+def prepare(graphdef: nnx.GraphDef, state: nnx.State) -> Prepared:
+    """(model, per-layer modules, MTP modules). Slicing the stacked parameters once, outside a decode loop,
+    keeps XLA from copying every layer's weights out of the stacks on every step."""
     model = nnx.merge(graphdef, state)
-    return model, _layers(model)
+    return Prepared(model, _layers(model), _mtp_modules(model))
+
+
+def init_mtp_cache(cfg: ModelConfig, slots: int, max_len: int) -> tuple[LayerCache, ...]:
+    """Zeroed latent cache of the MTP modules' attention, one LayerCache per module."""
+    dtype = jnp.dtype(cfg.dtype)
+    return tuple(
+        LayerCache(jnp.zeros((slots, max_len, cfg.kv_lora_rank), dtype),
+                   jnp.zeros((slots, max_len, cfg.qk_rope_head_dim), dtype))
+        for _ in range(cfg.num_nextn_predict_layers)
+    )
+
+
+def _mtp_input(model, module, hidden, tokens):
+    """eh_proj [enorm(Emb(tokens)); hnorm(hidden)]: the MTP block's input (c2jax.models.transformer._mtp)."""
+    e = module.enorm(model.embed(tokens))
+    x = jnp.concatenate([e, module.hnorm(hidden.astype(e.dtype))], axis=-1)
+    return dense(x, module.eh_proj[...])
+
+
+def mtp_write(cfg: ModelConfig, prepared: Prepared, depth: int, cache: LayerCache, hidden, tokens, slot_idx,
+              start) -> LayerCache:
+    """Write MTP module `depth`'s cache entries for rows hidden [b, T, d] (the representation the module is fed:
+    the trunk's output after its final norm for depth 0) and tokens [b, T] (the token after each position) at
+    positions start[b] + t. An entry depends only on its own position's inputs, so no attention runs."""
+    module = prepared.mtp[depth]
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    cos, sin = rope_tables(cfg, positions)
+    x = _mtp_input(prepared.model, module, hidden, tokens)
+    return _write(module.block.self_attn, module.block.input_layernorm(x), cos, sin, cache, slot_idx, positions)
+
+
+def mtp_step(cfg: ModelConfig, prepared: Prepared, depth: int, cache: LayerCache, hidden, tokens, slot_idx,
+             start, *, key_len: int, absorbed: bool = True):
+    """MTP module `depth` on rows hidden [b, T, d], tokens [b, T] at positions start + t, attending over its own
+    cache. Returns (its output after its own norm [b, T, d] (the next depth's `hidden`), logits [b, T, V]
+    float32 (the shared head on that output), cache)."""
+    model, module = prepared.model, prepared.mtp[depth]
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    cos, sin = rope_tables(cfg, positions)
+    x = _mtp_input(model, module, hidden, tokens)
+    block = module.block
+    attn_out, cache = _attend(cfg, block.self_attn, block.input_layernorm(x), cos, sin, cache, slot_idx,
+                              positions, key_len, absorbed)
+    h = x + attn_out
+    ffn, _ = block.mlp(block.post_attention_layernorm(h))
+    out = module.norm(h + ffn)
+    logits = dense(out, model.head_weight(), preferred_element_type=jnp.float32)
+    return out, logits, cache
 
 
 def extend(cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, cache: tuple[LayerCache, ...],
@@ -127,7 +198,7 @@ def extend(cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, cache: tu
     are read, so the caller passes a bound >= max(start + T). Prefill is T = prompt length; decode T = 1.
     `prepared`: the result of prepare(graphdef, state), if the caller already has it.
     """
-    model, layers = prepare(graphdef, state) if prepared is None else prepared
+    model, layers, _ = prepare(graphdef, state) if prepared is None else prepared
     b, t = tokens.shape
     positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(cfg, positions)
@@ -146,4 +217,4 @@ def extend(cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, cache: tu
             ffn = module.mlp(normed)
         x = h + ffn
     expert_ids = jnp.stack(experts, axis=2) if experts else None
-    return StepOutput(model.logits(x), expert_ids, tuple(new_cache))
+    return StepOutput(model.logits(x), expert_ids, tuple(new_cache), x)

@@ -51,19 +51,38 @@ def _truncate(logits: jnp.ndarray, top_p: jnp.ndarray, top_k: jnp.ndarray) -> jn
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def token_keys(seed: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    """The random key of the token at `positions` [b] of sequences seeded `seed` [b]: fold_in(key(seed), pos)."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
+        seed.astype(jnp.uint32), positions.astype(jnp.uint32))
+
+
+def sampling_logits(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
+    """logits [b, V] -> the logits of the distribution a token is drawn from: divided by the temperature (1 for
+    greedy rows), then top-k / top-p truncated (-inf outside the kept set)."""
+    greedy = params.temperature <= 0
+    temperature = jnp.where(greedy, 1.0, params.temperature)[:, None]
+    scaled = logits.astype(jnp.float32) / temperature
+    needs_truncation = jnp.any((params.top_p < 1.0) | (params.top_k > 0))
+    return jax.lax.cond(needs_truncation, _truncate, lambda x, p, k: x, scaled, params.top_p, params.top_k)
+
+
+def token_logprobs(logits: jnp.ndarray, params: SamplingParams, tokens: jnp.ndarray):
+    """(log softmax(logits / T)[token], log softmax(logits)[token]) per row: what `sample` reports."""
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.where(params.temperature <= 0, 1.0, params.temperature)[:, None]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature, axis=-1), tokens[:, None], axis=-1)
+    raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    return logprobs[:, 0], raw[:, 0]
+
+
 def sample(logits: jnp.ndarray, params: SamplingParams, positions: jnp.ndarray) -> Sample:
     """Draw one token per row of logits [b, V] (float32). positions [b]: index of the drawn token in its
     sequence (folded into the key)."""
     logits = logits.astype(jnp.float32)
     greedy = params.temperature <= 0
-    temperature = jnp.where(greedy, 1.0, params.temperature)[:, None]
-    scaled = logits / temperature
-    needs_truncation = jnp.any((params.top_p < 1.0) | (params.top_k > 0))
-    truncated = jax.lax.cond(needs_truncation, _truncate, lambda x, p, k: x, scaled, params.top_p, params.top_k)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
-        params.seed.astype(jnp.uint32), positions.astype(jnp.uint32))
-    drawn = jax.vmap(jax.random.categorical)(keys, truncated)
+    truncated = sampling_logits(logits, params)
+    drawn = jax.vmap(jax.random.categorical)(token_keys(params.seed, positions), truncated)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    logprobs, raw = token_logprobs(logits, params, tokens)
     return Sample(tokens, logprobs, raw)

@@ -1,0 +1,248 @@
+"""MTP speculative decoding: draft k tokens with the MTP module(s), verify them with the main model in one
+pass over k + 1 positions, keep them by the speculative-sampling rejection rule (Leviathan et al. 2023,
+Chen et al. 2023), so every emitted token is distributed exactly as the main model's sampler would draw it.
+
+A round for a slot whose cache holds n tokens (the pending token x_n, sampled but not yet in the cache, sits
+at position n):
+
+  1. MTP cache catch-up. MTP module 0's cache entry at position t depends only on that position's inputs:
+     the trunk's normed hidden state h(t) and the token x_{t+1}. The previous round left them for the positions
+     it settled (`SpecState`); their entries are written now, with the current weights.
+  2. Draft. Step i = 0..k-1 runs MTP module min(i, D - 1) (one module reused when k > D, EAGLE style) at
+     position n - 1 + i on (hidden, token): step 0 on (h(n - 1), x_n), exactly what the trainer's module 0
+     sees; step i > 0 on (step i - 1's normed output, draft d_i). Its logits q_{i+1} give d_{i+1} ~ q_{i+1}.
+  3. Verify. The main model runs [x_n, d_1, ..., d_k] at positions n..n+k in one cached forward: logits
+     p_1..p_{k+1} (p_j for the token at position n + j), trunk hidden states, routed expert ids.
+  4. Accept. d_j is kept with probability min(1, p_j(d_j) / q_j(d_j)) while every earlier one was kept; at
+     the first rejection j the token is drawn from norm(max(0, p_j - q_j)); if all k are kept, a bonus token
+     is drawn from p_{k+1}. p and q are the sampler's distributions: temperature-scaled and top-k / top-p
+     truncated the same way (`sampling.sampling_logits`); greedy rows use one-hot distributions (the argmax),
+     which makes the output exactly plain greedy decoding.
+  5. Rollback is free: the cache length becomes n + (tokens kept); latents written for rejected positions lie
+     past it, are masked out, and are overwritten before any query can see them.
+
+Logprobs, raw logprobs and expert ids of an emitted token come from the verify pass's row that produced it,
+i.e. from the main model, as the learner needs. Random keys: the residual / bonus / plain draw of the token
+at position P uses the plain sampler's key fold_in(key(seed), P) (so k = 0 reproduces plain decoding token
+for token), the draft uses fold_in(that, 1), the acceptance uniform fold_in(that, 2).
+
+With k = 0 a round is one plain decode step that also writes the MTP cache entries, so an engine can switch
+speculation off (large batches) and on again without losing the MTP cache.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from c2jax.models.config import ModelConfig
+from c2jax.models.inference.forward import LayerCache, extend, mtp_step, mtp_write, prepare
+from c2jax.models.inference.sampling import SamplingParams, sample, sampling_logits, token_keys, token_logprobs
+from c2jax.models.inference.steps import ChunkOutput, PrefillOutput, SlotState
+
+_DRAFT, _ACCEPT = 1, 2  # fold_in tags of a position's key
+
+
+class SpecState(NamedTuple):
+    """Per slot [B, W] (W = k_max + 1): MTP module 0's inputs for the positions start..start+count-1 the last
+    round settled, whose MTP cache entries are still to be written (the last one is the next draft's anchor)."""
+    hidden: jnp.ndarray  # [B, W, d] the trunk's output after its final norm
+    tokens: jnp.ndarray  # [B, W] int32, the token after each position
+    start: jnp.ndarray  # [B] int32
+    count: jnp.ndarray  # [B] int32, 1..W (start + count == the slot's cache length)
+
+
+def init_spec_state(cfg: ModelConfig, slots: int, width: int) -> SpecState:
+    return SpecState(jnp.zeros((slots, width, cfg.hidden_size), jnp.dtype(cfg.dtype)),
+                     jnp.zeros((slots, width), jnp.int32), jnp.zeros(slots, jnp.int32), jnp.ones(slots, jnp.int32))
+
+
+def _rows(params: SamplingParams, reps: int) -> SamplingParams:
+    """Sampling params repeated for `reps` consecutive rows per sequence ([b] -> [b * reps])."""
+    return SamplingParams(*(jnp.repeat(a, reps) for a in params))
+
+
+def _probs(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
+    """The sampler's distribution [b, V] for logits [b, V]: one-hot argmax for greedy rows."""
+    greedy = (params.temperature <= 0)[:, None]
+    soft = jax.nn.softmax(sampling_logits(logits, params), axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=soft.dtype)
+    return jnp.where(greedy, hard, soft)
+
+
+class Verdict(NamedTuple):
+    tokens: jnp.ndarray  # [b, k+1]: d_1..d_a, then the residual / bonus token, then padding (d's)
+    accepted: jnp.ndarray  # [b] int32 a: drafts kept (a + 1 tokens emitted)
+    logprobs: jnp.ndarray  # [b, k+1] under softmax(p_logits / T)
+    raw_logprobs: jnp.ndarray  # [b, k+1] under softmax(p_logits)
+
+
+def speculative_accept(p_logits: jnp.ndarray, q_logits: jnp.ndarray, drafts: jnp.ndarray,
+                       params: SamplingParams, positions: jnp.ndarray) -> Verdict:
+    """The rejection rule. p_logits [b, k+1, V]: the main model's logits for positions P..P+k (P = positions
+    [b], the position of d_1); q_logits [b, k, V]: the draft's logits d_1..d_k were drawn from; drafts [b, k].
+    Emits a + 1 tokens whose joint distribution is exactly the main model sampler's."""
+    b, k1, vocab = p_logits.shape
+    k = k1 - 1
+    greedy = params.temperature <= 0
+    pos = positions[:, None].astype(jnp.int32) + jnp.arange(k1, dtype=jnp.int32)[None]  # [b, k+1]
+    p = _probs(p_logits.reshape(b * k1, vocab), _rows(params, k1)).reshape(b, k1, vocab)
+    base = token_keys(jnp.repeat(params.seed, k1), pos.reshape(-1))  # [b*(k+1)] plain keys
+    if k:
+        q = _probs(q_logits.reshape(b * k, vocab), _rows(params, k)).reshape(b, k, vocab)
+        p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+        q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        accept_keys = jax.vmap(lambda key: jax.random.fold_in(key, _ACCEPT))(base.reshape(b, k1)[:, :k].reshape(-1))
+        u = jax.vmap(jax.random.uniform)(accept_keys).reshape(b, k)
+        keep = u * q_d < p_d  # u < p/q, without dividing (q_d > 0: d was drawn from q)
+        accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # leading kept drafts
+        q_pad = jnp.concatenate([q, jnp.zeros((b, 1, vocab), q.dtype)], axis=1)  # row k: bonus, from p itself
+    else:
+        accepted = jnp.zeros(b, jnp.int32)
+        q_pad = jnp.zeros((b, 1, vocab), p.dtype)
+    p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [b, V]
+    residual = jnp.maximum(p_a - jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0], 0.0)
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_a)  # p == q: rounding only
+    logits_a = jnp.take_along_axis(p_logits, accepted[:, None, None], axis=1)[:, 0]
+    final_logits = jnp.where(accepted[:, None] == k, sampling_logits(logits_a, params), jnp.log(residual))
+    key_a = jnp.take_along_axis(base.reshape(b, k1), accepted[:, None], axis=1)[:, 0]
+    drawn = jax.vmap(jax.random.categorical)(key_a, final_logits)
+    final = jnp.where(greedy, jnp.argmax(logits_a, axis=-1), drawn).astype(jnp.int32)
+    padded = jnp.concatenate([drafts.astype(jnp.int32), jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(jnp.arange(k1)[None] == accepted[:, None], final[:, None], padded)
+    logprobs, raw = token_logprobs(p_logits.reshape(b * k1, vocab), _rows(params, k1), tokens.reshape(-1))
+    return Verdict(tokens, accepted, logprobs.reshape(b, k1), raw.reshape(b, k1))
+
+
+def draft_tokens(cfg: ModelConfig, prepared, mtp_cache, hidden, token, start, params: SamplingParams, *, k: int,
+                 key_len: int, absorbed: bool):
+    """k draft tokens for every slot. hidden [B, d], token [B]: the anchor's inputs (trunk's normed h(n-1), x_n);
+    start [B] = n - 1. Returns (drafts [B, k], q_logits [B, k, V], mtp_cache)."""
+    depth = len(prepared.mtp)
+    mtp_cache = list(mtp_cache)
+    drafts, qs = [], []
+    h, tok = hidden[:, None], token[:, None]
+    greedy = params.temperature <= 0
+    for i in range(k):
+        m = min(i, depth - 1)
+        h, logits, mtp_cache[m] = mtp_step(cfg, prepared, m, mtp_cache[m], h, tok, None, start + i,
+                                           key_len=key_len, absorbed=absorbed)
+        q_logits = logits[:, 0]
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT))(token_keys(params.seed, start + i + 2))
+        drawn = jax.vmap(jax.random.categorical)(keys, sampling_logits(q_logits, params))
+        tok = jnp.where(greedy, jnp.argmax(q_logits, axis=-1), drawn).astype(jnp.int32)[:, None]
+        drafts.append(tok[:, 0])
+        qs.append(q_logits)
+    return jnp.stack(drafts, 1), jnp.stack(qs, 1), tuple(mtp_cache)
+
+
+def _catch_up(cfg, prepared, mtp_cache, spec: SpecState):
+    """Write MTP module 0's cache entries for the positions the last round settled (rows past `count` land at
+    positions >= the cache length: never visible before they are rewritten)."""
+    first = mtp_write(cfg, prepared, 0, mtp_cache[0], spec.hidden, spec.tokens, None, spec.start)
+    return (first, *mtp_cache[1:])
+
+
+class SpecChunkOutput(NamedTuple):
+    out: ChunkOutput  # arrays [rounds, B, k+1] ([..., L_moe, top_k] for expert ids)
+    drafted: jnp.ndarray  # [rounds, B] int32 drafts proposed for live slots
+    accepted: jnp.ndarray  # [rounds, B] int32 drafts kept for live slots
+
+
+@partial(jax.jit, static_argnames=("cfg", "graphdef", "rounds", "k", "key_len", "absorbed"),
+         donate_argnames=("cache", "mtp_cache", "spec"))
+def spec_decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mtp_cache, slots: SlotState,
+                      spec: SpecState, stop_ids, sampling: SamplingParams, *, rounds: int, k: int, key_len: int,
+                      absorbed: bool = True):
+    """`rounds` speculative rounds (k drafts each; k = 0: plain decode steps) over all slots in one lax.scan.
+    Stop ids / budgets as in steps.decode_chunk: a slot stops after emitting a stop id or its last budgeted
+    token, and tokens after that in the same round are not emitted. Returns (cache, mtp_cache, SlotState,
+    SpecState, SpecChunkOutput)."""
+    prepared = prepare(graphdef, state)
+    model = prepared.model
+    width = spec.tokens.shape[1]
+    if k + 1 > width:
+        raise ValueError(f"k = {k} drafts need a SpecState of width >= {k + 1}, got {width}")
+
+    def one_round(carry, _):
+        cache, mtp_cache, s, sp = carry
+        n = s.lengths
+        mtp_cache = _catch_up(cfg, prepared, mtp_cache, sp)
+        if k:
+            anchor = jnp.take_along_axis(sp.hidden, (sp.count - 1)[:, None, None], axis=1)[:, 0]
+            drafts, q_logits, mtp_cache = draft_tokens(cfg, prepared, mtp_cache, anchor, s.pending, n - 1,
+                                                       sampling, k=k, key_len=key_len, absorbed=absorbed)
+            inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)
+        else:
+            drafts = jnp.zeros((n.shape[0], 0), jnp.int32)
+            q_logits = jnp.zeros((n.shape[0], 0, cfg.vocab_size), jnp.float32)
+            inputs = s.pending[:, None]
+        out = extend(cfg, graphdef, state, cache, inputs, None, n, key_len=key_len, absorbed=absorbed,
+                     prepared=prepared)
+        verdict = speculative_accept(out.logits, q_logits, drafts, sampling, n + 1)
+        tokens = verdict.tokens
+        live = s.active
+        hit = jnp.any(tokens[..., None] == stop_ids[:, None, :], axis=-1)  # [B, k+1]
+        idx = jnp.arange(k + 1, dtype=jnp.int32)[None]
+        first_stop = jnp.min(jnp.where(hit, idx, k + 1), axis=1)
+        emitted = jnp.minimum(jnp.minimum(verdict.accepted + 1, s.remaining), first_stop + 1)
+        emitted = jnp.where(live, emitted, 0)
+        valid = idx < emitted[:, None]
+        last = jnp.take_along_axis(tokens, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+        remaining = s.remaining - emitted
+        stopped = jnp.any(hit & valid, axis=1)
+        new = SlotState(jnp.where(live, last, s.pending), n + emitted, live & ~stopped & (remaining > 0), remaining)
+        hidden = model.norm(out.hidden).astype(sp.hidden.dtype)
+        pad = width - (k + 1)
+        new_sp = SpecState(
+            jnp.where(live[:, None, None], jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))), sp.hidden),
+            jnp.where(live[:, None], jnp.pad(tokens, ((0, 0), (0, pad))), sp.tokens),
+            jnp.where(live, n, sp.start), jnp.where(live, jnp.maximum(emitted, 1), sp.count))
+        experts = out.expert_ids  # [B, k+1, L_moe, top_k]
+        chunk = ChunkOutput(tokens, verdict.logprobs, verdict.raw_logprobs, experts, valid)
+        stats = (jnp.where(live, k, 0).astype(jnp.int32), jnp.where(live, verdict.accepted, 0))
+        return (out.cache, mtp_cache, new, new_sp), (chunk, *stats)
+
+    (cache, mtp_cache, slots, spec), (outs, drafted, accepted) = jax.lax.scan(
+        one_round, (cache, mtp_cache, slots, spec), None, length=rounds)
+    return cache, mtp_cache, slots, spec, SpecChunkOutput(outs, drafted, accepted)
+
+
+@partial(jax.jit, static_argnames=("cfg", "graphdef", "key_len", "absorbed"),
+         donate_argnames=("cache", "mtp_cache", "spec"))
+def prefill_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mtp_cache, spec: SpecState, tokens,
+                      n_valid, slot, start, sampling: SamplingParams, next_token, *, key_len: int,
+                      absorbed: bool = False):
+    """steps.prefill_slot that also fills the slot's MTP module-0 cache for the prompt positions and leaves the
+    last prompt position, with the token after it, as the next draft's anchor. That token is the sampled first
+    token, or `next_token` when >= 0 (re-prefilling a live sequence after a weight swap: its pending token).
+    Returns (PrefillOutput, mtp_cache, spec)."""
+    prepared = prepare(graphdef, state)
+    out = extend(cfg, graphdef, state, cache, tokens, slot[None], start[None], key_len=key_len,
+                 absorbed=absorbed, prepared=prepared)
+    last = out.logits[:, n_valid - 1]
+    first = sample(last, sampling, (start + n_valid)[None])
+    following = jnp.where(next_token >= 0, next_token, first.tokens[0]).astype(jnp.int32)
+    hidden = prepared.model.norm(out.hidden)  # [1, T, d]
+    t = tokens.shape[1]
+    nxt = jnp.roll(tokens, -1, axis=1)
+    nxt = jnp.where(jnp.arange(t)[None] == n_valid - 1, following, nxt)  # the token after each position
+    mtp_cache = (mtp_write(cfg, prepared, 0, mtp_cache[0], hidden, nxt, slot[None], start[None]), *mtp_cache[1:])
+    row = jnp.zeros_like(spec.hidden[0]).at[0].set(hidden[0, n_valid - 1].astype(spec.hidden.dtype))
+    spec = SpecState(spec.hidden.at[slot].set(row), spec.tokens.at[slot].set(
+        jnp.zeros_like(spec.tokens[0]).at[0].set(following)),
+        spec.start.at[slot].set(start + n_valid - 1), spec.count.at[slot].set(1))
+    experts = None if out.expert_ids is None else out.expert_ids[0]
+    first_experts = None if experts is None else experts[n_valid - 1][None]
+    return PrefillOutput(out.cache, first, first_experts, experts), mtp_cache, spec
+
+
+@partial(jax.jit, donate_argnames=("mtp_cache",))
+def copy_mtp_row(mtp_cache, src_cache, dst_slot):
+    """Copy a one-slot MTP cache into slot dst_slot (prompt caching)."""
+    return tuple(LayerCache(*(dst.at[dst_slot].set(src[0].astype(dst.dtype)) for dst, src in zip(c, s, strict=True)))
+                 for c, s in zip(mtp_cache, src_cache, strict=True))
