@@ -568,6 +568,9 @@ def test_factory_refuses_network_it_was_not_allowed(tmp_path):
         sandbox_factory("bwrap")(tmp_path, network=True)
     with pytest.raises(ValueError, match="sandbox must be"):
         sandbox_factory("docker")
+    with pytest.raises(ValueError, match="does not allow the network"):  # config and factory disagree
+        evaluate([load_task(FIXTURES / "reward-json-first")], scripted_factory("nop"), 1,
+                 config=EvalConfig(allow_network=True), sandbox_factory=sandbox_factory("bwrap"), progress=False)
 
 
 def test_tasks_validate_lists_tasks_that_permit_more_network(tmp_path, loopback, bwrap, capsys):

@@ -247,6 +247,9 @@ def evaluate(tasks: Sequence[Task], agent_factory: AgentFactory, samples: int | 
     tasks = [t for t in tasks if t.supported]
     factory = sandbox_factory or make_sandbox_factory(cfg.sandbox, allow_network=cfg.allow_network)
     allow_network = bool(getattr(factory, "allow_network", False))
+    if cfg.allow_network and not allow_network:
+        raise ValueError("config.allow_network is true but the sandbox_factory passed does not allow the network; "
+                         "build it with c2jax.rl.tasks.build.sandbox_factory(kind, allow_network=True)")
     offline = network_notes(tasks, allow_network)
     label = label or cfg.run_label
     store = traj_writer = None
