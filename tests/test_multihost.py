@@ -1,0 +1,227 @@
+"""Multi-process pretraining over loopback: `c2jax pretrain ... distributed.enabled=true` as 2 processes x 4
+fake CPU devices (gloo collectives) against 1 process x 8 devices on the same 2 x 4 mesh and the same data;
+kill -9 of one process (the other aborts within the heartbeat timeout, naming the dead task) and a restart
+of both that resumes from the last checkpoint to the uninterrupted run's losses, bit for bit.
+
+The 2-process runs are the documented launch recipes, run as subprocesses of the real CLI: the uninterrupted
+one with a SLURM environment (srun's variables, one process per "host"), the killed and resumed ones with
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. Every process has a timeout, so nothing hangs.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from c2jax import distributed
+from c2jax.train.config import load_pretrain_config
+from c2jax.train.loop import Trainer, data_batches
+
+ROOT = Path(__file__).resolve().parent.parent
+HEARTBEAT_S = 10
+STEPS = 8
+PROC_TIMEOUT_S = 300  # per run; one takes ~40 s warm on the shared 2-core VM
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _corpus(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    words = "def class return import for while if else lambda yield self value index data batch shard".split()
+    with open(path, "w") as f:
+        for _ in range(240):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(5, 60)))}) + "\n")
+    return path
+
+
+def _write_config(tmp: Path, name: str) -> Path:
+    cfg = dict(
+        name=name, output_dir=str(tmp / "runs"), seed=0, log_every=1, progress=False, mtp_init_step=0,
+        model=dict(preset="tiny", vocab_size=264, moe_impl="dense", num_hidden_layers=2),
+        mesh=dict(data=2, fsdp=-1),  # 2 x 4: rows over data x fsdp, so each process holds half of every batch
+        data=dict(tokenizer="bytes", sources=[dict(name="text", kind="jsonl", path=str(tmp / "corpus.jsonl"),
+                                                   heldout_fraction=0.1)]),
+        phases=[dict(name="main", steps=STEPS, seq_len=32, batch_size=8)],
+        checkpoint=dict(every=2, keep_last=4), eval=dict(every=4, batches=1), export_hf=True,
+        optimizer=dict(lr=3e-3, warmup_steps=2),
+        distributed=dict(heartbeat_timeout_s=HEARTBEAT_S, initialization_timeout_s=60))
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _c2jax() -> list[str]:
+    exe = Path(sys.executable).parent / "c2jax"
+    return [str(exe)] if exe.exists() else [sys.executable, "-c", "from c2jax.cli import main; raise SystemExit(main())"]
+
+
+def _launch(config: Path, launcher: str, port: int) -> list[subprocess.Popen]:
+    """Both processes of a 2-process run, each with 4 fake CPU devices, talking over 127.0.0.1:port."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    base = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4",
+                JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", PYTHONUNBUFFERED="1")
+    procs = []
+    for i in range(2):
+        if launcher == "env":  # the plain recipe
+            env = dict(base, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+        else:  # what `srun --ntasks=2 --ntasks-per-node=1` sets, the node list pointing at loopback
+            env = dict(base, SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
+                       SLURM_PROCID=str(i), SLURM_LOCALID="0", SLURM_STEP_NUM_NODES="2", JAX_COORDINATOR_PORT=str(port))
+        # output to a file, not a pipe: nobody reads a pipe while the kill test polls, and a full one blocks
+        log = open(config.with_suffix(f".{i}.log"), "w+b")
+        procs.append(subprocess.Popen([*_c2jax(), "pretrain", "--config", str(config), "distributed.enabled=true"],
+                                      env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        procs[-1].log = log
+    return procs
+
+
+def _output(p) -> str:
+    p.log.seek(0)
+    return p.log.read().decode(errors="replace")
+
+
+def _wait(procs, timeout: float) -> None:
+    """Wait for every process, killing all of them (SIGKILL) if any is still running after `timeout` s."""
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _finish(procs, timeout=PROC_TIMEOUT_S) -> list[str]:
+    _wait(procs, timeout)
+    outs = [_output(p) for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, _tail(out)
+    return outs
+
+
+def _tail(out: str, n: int = 4000) -> str:
+    return "\n".join(line for line in out.splitlines() if "Gloo" not in line and "spmd_partitioner" not in line)[-n:]
+
+
+def _rows(run_dir: Path, kind="train") -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] == kind}
+
+
+class _Shards:
+    """The 2-process run's global batches in one process: shard 0's rows, then shard 1's (process i's devices
+    hold rows [4i, 4i + 4) of the 2 x 4 mesh), each shard read exactly as its process reads it."""
+
+    def __init__(self, cfg, phase, split):
+        rows = phase.batch_size // 2
+        self.its = [data_batches(cfg, phase, split, shard=distributed.DataShard(i, 2, tuple(range(rows)), 2 * rows))
+                    for i in range(2)]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        parts = [next(it) for it in self.its]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def get_state(self):
+        return [it.get_state() for it in self.its]
+
+    def set_state(self, state):
+        for it, s in zip(self.its, state):
+            it.set_state(s)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 1-process reference (this process: conftest's 8 devices) and the uninterrupted 2-process run."""
+    tmp = tmp_path_factory.mktemp("multihost")
+    _corpus(tmp / "corpus.jsonl")
+    assert len(jax.devices()) == 8
+    ref_cfg = load_pretrain_config(_write_config(tmp, "ref"), [])
+    t = time.perf_counter()
+    trainer = Trainer(ref_cfg, batches=_Shards, tensorboard=False)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    print(f"\n1-process reference run {time.perf_counter() - t:.0f} s")
+    t = time.perf_counter()
+    outs = _finish(_launch(_write_config(tmp, "two"), "slurm", _free_port()))
+    return dict(tmp=tmp, ref=tmp / "runs" / "ref", two=tmp / "runs" / "two", outs=outs,
+                seconds=time.perf_counter() - t)
+
+
+def test_two_processes_equal_one_process_on_the_same_mesh_and_data(runs):
+    ref, two = _rows(runs["ref"]), _rows(runs["two"])
+    assert sorted(ref) == sorted(two) == list(range(1, STEPS + 1))  # one row per step: process 0 alone writes
+    for key in ("loss", "ce_loss", "grad_norm", "tokens"):
+        np.testing.assert_allclose([two[s][key] for s in two], [ref[s][key] for s in ref], rtol=2e-6, err_msg=key)
+    ref_eval, two_eval = _rows(runs["ref"], "eval"), _rows(runs["two"], "eval")
+    assert sorted(ref_eval) == sorted(two_eval) == [4, 8]
+    for s in ref_eval:
+        np.testing.assert_allclose(two_eval[s]["eval_loss/text"], ref_eval[s]["eval_loss/text"], rtol=2e-6)
+    # console output from process 0 only; both joined one 8-device job
+    assert "step 8/8" in runs["outs"][0] and "step 8/8" not in runs["outs"][1]
+    assert "process 0 of 2, 4 of 8 devices" in runs["outs"][0]
+    assert "process 1 of 2, 4 of 8 devices" in runs["outs"][1]
+    # the HF export gathers every process's shards: the same weights as the 1-process run's
+    from safetensors.numpy import load_file
+
+    ref_w = {k: v for f in sorted((runs["ref"] / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    two_w = {k: v for f in sorted((runs["two"] / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert ref_w.keys() == two_w.keys() and ref_w
+    for k in ref_w:
+        np.testing.assert_allclose(two_w[k], ref_w[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_kill_9_of_one_process_aborts_the_other_and_both_resume_to_the_same_losses(runs):
+    tmp = runs["tmp"]
+    config = _write_config(tmp, "killed")
+    run_dir = tmp / "runs" / "killed"
+    procs = _launch(config, "env", _free_port())
+    try:
+        deadline = time.time() + PROC_TIMEOUT_S
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if (run_dir / "checkpoints" / "2").is_dir():  # committed: Orbax renames its temporary directory
+                break
+            time.sleep(0.02)
+        assert all(p.poll() is None for p in procs), _tail(_output(procs[0]))
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.perf_counter()
+        _wait(procs[:1], HEARTBEAT_S + 60)
+        detected_s = time.perf_counter() - killed_at
+    finally:
+        _wait(procs, 0)
+    out = _output(procs[0])
+    steps_before = len(_rows(run_dir))
+    print(f"\nkilled process 1 with {steps_before} steps logged")
+    assert steps_before < STEPS, "the run finished before the kill"
+    assert procs[0].returncode not in (0, None), _tail(out)
+    assert "stopped sending heartbeats" in out and "Terminating process" in out, _tail(out)
+    assert detected_s < HEARTBEAT_S + 15, detected_s
+    print(f"\nsurvivor aborted {detected_s:.1f} s after the kill (heartbeat timeout {HEARTBEAT_S} s); "
+          f"uninterrupted 2-process run {runs['seconds']:.0f} s")
+
+    _finish(_launch(config, "env", _free_port()))
+    straight, resumed = _rows(runs["two"]), _rows(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s]["loss"] for s in resumed] == [straight[s]["loss"] for s in straight]  # bitwise
