@@ -186,7 +186,10 @@ def _assignments(ins: Instruction, variables: dict[str, str]) -> list[tuple[str,
         name, _, rest = ins.args.strip().partition(" ")
         if not name or not rest.strip():
             raise ValueError(f"{where}: ENV {ins.args!r} sets no value")
-        return [(name, "".join(_expand(rest.strip(), variables, split=False)))]
+        value = "".join(_expand(rest.strip(), variables, split=False))
+        if "\x00" in value or not name.replace("_", "a").isalnum():
+            raise ValueError(f"{where}: ENV {ins.args!r} is not NAME value (a NUL byte, or a bad name)")
+        return [(name, value)]
     pairs = []
     for word in _expand(ins.args, variables, split=True) if ins.word == "ENV" else ins.args.split():
         name, eq, value = word.partition("=")
@@ -196,6 +199,8 @@ def _assignments(ins: Instruction, variables: dict[str, str]) -> list[tuple[str,
             raise ValueError(f"{where}: ENV {ins.args!r} mixes NAME=value pairs with a bare {word!r}")
         if not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
             raise ValueError(f"{where}: {ins.word} {ins.args!r}: {name!r} is not a variable name")
+        if value is not None and "\x00" in value:
+            raise ValueError(f"{where}: {ins.word} {name} holds a NUL byte, which no environment can carry")
         pairs.append((name, value))
     return pairs
 
