@@ -8,6 +8,8 @@ under the working directory (`COPY . .`, `COPY app.py /app/`). For anything else
 refusal names the file, the line and the most basic obstacle (a multi-stage build before a RUN step,
 a RUN step before a COPY of other paths), so a suite's unsupported tasks can be sorted by what
 would make them run. Compose files (services beside the main container, devices) are refused too.
+Of the image's metadata, WORKDIR (`workdir`) is the task's working directory and ENV (`env`) is set for
+every command of the task, as Docker keeps both for the container's processes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
-# Instructions that only set metadata of the image; with no build they change nothing c2jax runs.
+# Instructions that only set metadata of the image (no build step): WORKDIR and ENV are applied to the
+# task's sandboxes (`workdir`, `env`), ARG feeds ENV's substitution, the rest change nothing c2jax runs.
 METADATA = {"FROM", "WORKDIR", "ENV", "ARG", "LABEL", "USER", "SHELL", "CMD", "ENTRYPOINT", "EXPOSE", "MAINTAINER"}
 _BACKEND = "needs the container backend, which c2jax does not have yet"
 
