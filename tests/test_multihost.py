@@ -237,3 +237,66 @@ def test_kill_9_of_one_process_aborts_the_other_and_both_resume_to_the_same_loss
     lines = [json.loads(x) for x in (runs["two"] / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in lines if r["kind"] == "train"]
     assert train_steps == logged + list(range(last + 1, STEPS + 1))
+
+
+class _Dev:
+    def __init__(self, process_index):
+        self.process_index = process_index
+
+
+class _Layout:
+    """A stand-in sharding: device -> index, as `Sharding.devices_indices_map` gives it."""
+
+    def __init__(self, rows_by_device, shape):
+        self.map = {_Dev(p): tuple(slice(r, r + n) if axis == row_axis else slice(None) for axis in range(len(shape)))
+                    for p, r, n, row_axis in rows_by_device}
+
+    def devices_indices_map(self, shape):
+        return self.map
+
+
+@pytest.mark.parametrize("layout, shards", [
+    # 2 processes x 2 devices, rows in process order: process 1 holds rows 4..7
+    ([(0, 0, 2, 0), (0, 2, 2, 0), (1, 4, 2, 0), (1, 6, 2, 0)], {0: (0, (0, 1, 2, 3)), 1: (1, (4, 5, 6, 7))}),
+    # interleaved: process 0 holds rows 0-1 and 4-5 (make_array_from_process_local_data maps them in order)
+    ([(0, 0, 2, 0), (1, 2, 2, 0), (0, 4, 2, 0), (1, 6, 2, 0)], {0: (0, (0, 1, 4, 5)), 1: (1, (2, 3, 6, 7))}),
+    # replicas: 4 processes, two of them per half of the rows (e.g. context parallelism across processes)
+    ([(0, 0, 4, 0), (1, 0, 4, 0), (2, 4, 4, 0), (3, 4, 4, 0)],
+     {0: (0, (0, 1, 2, 3)), 1: (0, (0, 1, 2, 3)), 2: (1, (4, 5, 6, 7)), 3: (1, (4, 5, 6, 7))}),
+    # micro-batched [A, B, S]: rows are axis 1
+    ([(0, 0, 4, 1), (1, 4, 4, 1)], {0: (0, (0, 1, 2, 3)), 1: (1, (4, 5, 6, 7))}),
+])
+def test_data_shard_groups_processes_by_the_rows_their_devices_hold(monkeypatch, layout, shards):
+    row_axis = layout[0][3]
+    shape = (2, 8, 16) if row_axis else (8, 16)
+    sharding = _Layout(layout, shape)
+    count = len({index for index, _ in shards.values()})
+    for process, (index, rows) in shards.items():
+        monkeypatch.setattr(jax, "process_index", lambda p=process: p)
+        shard = distributed.data_shard(sharding, shape, row_axis=row_axis)
+        assert (shard.index, shard.count, shard.rows, shard.local_rows, shard.global_rows) == (
+            index, count, rows, len(rows), 8)
+
+
+def test_data_shard_rejects_overlapping_row_sets(monkeypatch):
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    sharding = _Layout([(0, 0, 4, 0), (1, 2, 4, 0)], (8, 16))
+    with pytest.raises(distributed.ConfigError, match="overlapping or unequal"):
+        distributed.data_shard(sharding, (8, 16))
+
+
+def test_resuming_needs_the_process_count_that_wrote_the_checkpoint(monkeypatch):
+    from c2jax.train.loop import _PER_PROCESS, _own_data_state
+
+    two = {_PER_PROCESS: [{"pos": 0}, {"pos": 1}]}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert _own_data_state(two, "ckpt/4") == {"pos": 1}
+    assert _own_data_state(None, "ckpt/4") is None
+    with pytest.raises(distributed.ConfigError, match="written by one process"):
+        _own_data_state({"pos": 0}, "ckpt/4")
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    with pytest.raises(distributed.ConfigError, match="written by 2 processes"):
+        _own_data_state(two, "ckpt/4")
+    assert _own_data_state({"pos": 0}, "ckpt/4") == {"pos": 0}
