@@ -14,15 +14,17 @@ from jax.sharding import PartitionSpec
 
 # Composer 2 trains with FSDP + expert parallelism + context parallelism (no tensor parallelism):
 # experts go to 'expert'; every other weight is sharded over all data-parallel devices, 'fsdp' and
-# 'expert' together (expert-parallel ranks are data-parallel for the dense part of the model);
-# 'tensor' is available for heads / MLP widths when a mesh has it.
+# 'expert' together (expert-parallel ranks are data-parallel for the dense part of the model), and over
+# 'context' too: context-parallel ranks hold the same weights, so sharding parameters, gradients and Adam
+# moments over them divides the state by CP for one more all-gather axis (ZeRO-3 over every axis but
+# 'data', which stays plain replication); 'tensor' is available for heads / MLP widths when a mesh has it.
 DEFAULT_PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,
     "vocab": "tensor",
-    "embed": ("fsdp", "expert"),
-    "mtp_in": ("fsdp", "expert"),
-    "q_lora": ("fsdp", "expert"),  # FSDP needs a dimension on every weight: q_b_proj has no embed axis
-    "kv_lora": ("fsdp", "expert"),
+    "embed": ("fsdp", "expert", "context"),
+    "mtp_in": ("fsdp", "expert", "context"),
+    "q_lora": ("fsdp", "expert", "context"),  # FSDP needs a dimension on every weight: q_b_proj has no embed axis
+    "kv_lora": ("fsdp", "expert", "context"),
     "heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",

@@ -132,8 +132,9 @@ def _token_chunks(num_tokens: int, chunk: int) -> int:
 
 def _in_token_chunks(cfg: ModelConfig, experts, flat, routing: Routing):
     """experts(flat, routing) over chunks of `cfg.moe_chunk_tokens` of this rank's tokens, one exchange each
-    (a lax.scan): the gathered tokens, the dispatch buffers and the receive buffers (whose worst-case
-    bucket is ep x the rows sent) then scale with the chunk instead of the rank's whole batch. Every rank
+    (a rematerialised lax.scan): the gathered tokens, the dispatch buffers, the receive buffers (whose
+    worst-case bucket is ep x the rows sent) and the residuals then scale with the chunk instead of the
+    rank's whole batch, for one more forward of each chunk in the backward. Every rank
     has the same token count, so all take the same number of steps and the collectives line up."""
     num_tokens, d = flat.shape
     count = _token_chunks(num_tokens, cfg.moe_chunk_tokens)
@@ -142,6 +143,10 @@ def _in_token_chunks(cfg: ModelConfig, experts, flat, routing: Routing):
     size = num_tokens // count
     split = lambda a: None if a is None else a.reshape(count, size, *a.shape[1:])
 
+    # rematerialised: autodiff would otherwise stack each chunk's residuals, which in the exchange paths span
+    # every gathered assignment (ep x this rank's), back to the unchunked total; recomputing a chunk's exchange
+    # in the backward keeps only its inputs
+    @jax.checkpoint
     def one_chunk(carry, chunk):
         x, ids, weights = chunk
         return carry, experts(x, Routing(ids, weights, routing.counts, None))

@@ -269,18 +269,19 @@ def test_plan_cli_plans_a_pretraining_config_phase_by_phase(capsys):
     from c2jax.train.config import load_pretrain_config
 
     path = str(ROOT / "experiments" / "configs" / "composer2_k2.5.yaml")
-    assert main(["plan", "--config", path, "--devices", "64", "--json"]) == 0
+    assert main(["plan", "--config", path, "--devices", "512", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     cfg = load_pretrain_config(path)
     assert [r["label"] for r in rows] == [f"phase {p.name}" for p in cfg.phases]
     assert [(r["seq"], r["batch"]) for r in rows] == [(p.seq_len, p.batch_size or cfg.data["batch_size"])
                                                       for p in cfg.phases]
-    assert all(r["mesh"] == {"data": 1, "fsdp": 4, "expert": 8, "context": 2, "tensor": 1} for r in rows)
+    assert all(r["mesh"] == {"data": 1, "fsdp": 8, "expert": 8, "context": 8, "tensor": 1} for r in rows)
+    assert all(r["fits"]["H200"] for r in rows)  # the size the config states
     assert len({r["params_bytes"] for r in rows}) == 1
     # 8x the sequence of the short phase: the long phase holds more activation memory per device
     assert rows[1]["activation_bytes"] > rows[0]["activation_bytes"]
     # --seq/--batch replace every phase's shape: one plan
-    assert main(["plan", "--config", path, "--devices", "64", "--seq", "4096", "--batch", "32", "--json"]) == 0
+    assert main(["plan", "--config", path, "--devices", "512", "--seq", "4096", "--batch", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq"] == 4096
     # an inferred (-1) mesh axis needs the device count
     assert main(["plan", "--config", path]) == 2
