@@ -41,8 +41,10 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
     out = tmp / "out"
+    # two sections at a time (the dry run only): each is mostly a single-threaded XLA compile
     proc = subprocess.run([sys.executable, "-m", "experiments.bench.gpu_check", "--dry-run", "--selftest",
-                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           "--jobs", "2", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
     return proc, out
 
 
@@ -78,9 +80,9 @@ def test_every_section_runs_or_skips_with_a_reason(dry_run):
     assert sections["quantizers"]["results"]["equality"]["permute_mxfp8"]["identical"]
     names = [c["name"] for s in report["sections"] for c in s["checks"]]
     for expected in ("model bf16 fwd+grad", "attention blockwise bfloat16 packed", "grouped GEMM xla bf16",
-                     "RL step router replay", "train tiny S=64 loss finite"):
+                     "RL step router replay", "train tiny S=64 loss finite", "sampler MTP speculative greedy"):
         assert any(n.startswith(expected) for n in names), (expected, names)
-    assert sections["sampler"]["results"]["mtp_speculative_decoding"].startswith("skipped: MTP speculative")
+    assert sections["sampler"]["results"]["mtp_speculative"]["equality"]["outputs_equal"]
     # dry-run targets are recorded but not judged
     assert {t["name"] for t in report["targets"]} >= {"every equality check passes", "FP8 grouped GEMM / bf16 "
                                                       "grouped GEMM", "MoE layer (fwd+bwd) % of bf16 peak"}
@@ -113,8 +115,10 @@ def test_reports_are_written(dry_run):
 
 
 def test_budget_and_section_filter(tmp_path):
-    """A section left without budget is skipped with the reason; unknown section names are refused."""
+    """A section left without budget is skipped with the reason; unknown section names are refused, and so is
+    --jobs outside the dry run (on a device the sections would share the GPU)."""
     assert runner.main(["--sections", "nope", "--out", str(tmp_path)]) == 2
+    assert runner.main(["--jobs", "2", "--out", str(tmp_path)]) == 2
     code = runner.main(["--dry-run", "--selftest", "--sections", "selftest_timeout,env", "--budget-s", "5",
                         "--out", str(tmp_path)])
     report = json.loads((tmp_path / runner.JSON_NAME).read_text())

@@ -19,7 +19,6 @@ import datetime
 import json
 import math
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -97,12 +96,6 @@ def _child_env(dry_run: bool) -> dict[str, str]:
     return env
 
 
-def _children_cpu_s() -> float:
-    """User + system CPU seconds of the waited-for children so far (a section's process, once it has exited)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM then SIGKILL to the section's own process group (it was started in a new session)."""
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
@@ -131,18 +124,17 @@ def run_section_subprocess(spec: Spec, deadline_s: float, args, log_path: Path, 
         proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(args.dry_run), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         timed_out = False
-        cpu_before = _children_cpu_s()
         try:
             proc.wait(timeout=deadline_s)
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc)
         seconds = time.monotonic() - start
-        cpu_s = _children_cpu_s() - cpu_before
     record = _read_json(result_path) or {}
-    out = {"status": record.get("status", "crashed"), "seconds": round(seconds, 1), "cpu_s": round(cpu_s, 1),
+    out = {"status": record.get("status", "crashed"), "seconds": round(seconds, 1), "cpu_s": record.get("cpu_s"),
            "results": record.get("results", {}), "checks": record.get("checks", []),
-           "targets": record.get("targets", []), "headline": record.get("headline", [])}
+           "targets": record.get("targets", []), "headline": record.get("headline", []),
+           "sub_seconds": record.get("sub_seconds", {})}
     for key in ("reason", "error"):
         if record.get(key):
             out[key] = record[key]
@@ -281,6 +273,49 @@ def write_report(report: dict, out_dir: Path) -> None:
 # -------------------------------------------------------------------------------------------------- main
 
 
+def _print_done(entry: dict) -> None:
+    print(f"[gpu_check] {entry['name']}: {entry['status']} ({entry.get('seconds', 0):.1f} s)"
+          + (f": {entry['reason']}" if entry.get("reason") else ""), flush=True)
+
+
+def _set_env(report: dict, entry: dict) -> None:
+    report["env"] = {k: v for k, v in entry["results"].items() if k != "host"}
+
+
+def _run_parallel(chosen, args, report, out_dir: Path, log_path: Path, tmp: Path, start: float, budget: float):
+    """--jobs N (dry run only: on a device the sections would compete for the GPU and their timings would
+    mean nothing): N sections at a time, each with its own log, appended to the main log in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    done: dict[str, dict] = {}
+
+    def one(spec: Spec) -> None:
+        left = budget - (time.monotonic() - start)
+        deadline = min(spec.dry_deadline_s, left)
+        entry = {"name": spec.name, "title": spec.title, "deadline_s": round(deadline, 1)}
+        if deadline < min(MIN_SECTION_S, spec.dry_deadline_s):
+            entry.update(status="skipped", seconds=0.0,
+                         reason=f"budget spent: {max(left, 0):.0f} s of --budget-s {budget:.0f} left")
+        else:
+            entry.update(run_section_subprocess(spec, deadline, args, tmp / f"{spec.name}.log", tmp))
+        done[spec.name] = entry
+        _print_done(entry)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for future in [pool.submit(one, spec) for spec in chosen]:
+            future.result()
+            report["sections"] = [done[s.name] for s in chosen if s.name in done]
+            report["total_s"] = round(time.monotonic() - start, 1)
+            write_report(report, out_dir)
+    with open(log_path, "ab") as log:
+        for spec in chosen:
+            part = tmp / f"{spec.name}.log"
+            if part.exists():
+                log.write(part.read_bytes())
+    if "env" in done and done["env"].get("results"):
+        _set_env(report, done["env"])
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="every section at tiny shapes on the CPU")
@@ -294,6 +329,8 @@ def _parse(argv):
                    help="run the full-size sections even when no GPU is found (hours on a CPU)")
     p.add_argument("--selftest", action="store_true",
                    help="also run two sections that raise and overrun (the driver's failure paths; tests)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="dry run only: sections run this many at a time (each still in its own process)")
     p.add_argument("--list", action="store_true", help="print the sections and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -319,6 +356,10 @@ def main(argv=None) -> int:
             print(f"unknown section(s) {unknown}; choices: {[s.name for s in SPECS]}", file=sys.stderr)
             return 2
         chosen = [s for s in SPECS if s.name in wanted]
+    if args.jobs < 1 or (args.jobs > 1 and (not args.dry_run or args.isolation != "subprocess")):
+        print("--jobs > 1 needs --dry-run and subprocess isolation (on a device the sections would share the GPU)",
+              file=sys.stderr)
+        return 2
     budget = args.budget_s if args.budget_s is not None else (600.0 if args.dry_run else DEFAULT_BUDGET_S)
     out_dir = Path(args.out or os.environ.get("OUT") or REPO / "runs" / "bench" / "gpu_check")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +372,9 @@ def main(argv=None) -> int:
               "env": {}, "sections": []}
     no_gpu_reason = None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for spec in chosen:
+        if args.jobs > 1:
+            _run_parallel(chosen, args, report, out_dir, log_path, Path(tmp), start, budget)
+        for spec in chosen if args.jobs == 1 else ():
             left = budget - (time.monotonic() - start)
             own = spec.dry_deadline_s if args.dry_run else spec.deadline_s
             deadline = min(own, left)
@@ -347,11 +390,10 @@ def main(argv=None) -> int:
                     entry.update(run_section_subprocess(spec, deadline, args, log_path, Path(tmp)))
                 else:
                     entry.update(run_section_inprocess(spec, deadline, args))
-            print(f"[gpu_check] {spec.name}: {entry['status']} ({entry.get('seconds', 0):.1f} s)"
-                  + (f": {entry['reason']}" if entry.get("reason") else ""), flush=True)
+            _print_done(entry)
             report["sections"].append(entry)
             if spec.name == "env" and entry.get("results"):
-                report["env"] = {k: v for k, v in entry["results"].items() if k != "host"}
+                _set_env(report, entry)
                 backend = entry["results"].get("backend")
                 if not args.dry_run and not args.allow_cpu and backend not in (None, "gpu"):
                     no_gpu_reason = (f"needs GPU: the JAX backend here is {backend!r}; the full-size sections would "

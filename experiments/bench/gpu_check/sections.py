@@ -43,7 +43,7 @@ class Context:
         self.start = time.monotonic()
         self.deadline = self.start + (deadline_s if deadline_s else 3600.0)
         self.record = {"status": "running", "results": {}, "checks": [], "targets": [], "headline": [],
-                       "errors": []}
+                       "errors": [], "sub_seconds": {}}
         self._gpu = None
         self.flush()
 
@@ -68,6 +68,7 @@ class Context:
         return self.deadline - time.monotonic()
 
     def flush(self) -> None:
+        self.record["cpu_s"] = round(time.process_time(), 1)  # this process's CPU seconds, every thread
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.record, default=_jsonable))
         os.replace(tmp, self.path)
@@ -104,6 +105,7 @@ class Context:
             return None
         self.record["current"] = key
         self.flush()
+        start = time.monotonic()
         try:
             value = fn()
         except Skip as e:
@@ -115,6 +117,7 @@ class Context:
             return None
         finally:
             self.record.pop("current", None)
+            self.record["sub_seconds"][key] = round(time.monotonic() - start, 2)
         if value is not None:
             self.set(key, value)
         return value
@@ -425,9 +428,9 @@ def section_attention(ctx: Context) -> None:
     scale = dqk ** -0.5
     key = jax.random.key(0)
     kq, kk, kv, kc = jax.random.split(key, 4)
-    q32 = jax.random.normal(kq, (b, s, h, dqk), jnp.float32)
-    k32 = jax.random.normal(kk, (b, s, h, dqk), jnp.float32)
-    v32 = jax.random.normal(kv, (b, s, h, dv), jnp.float32)
+    # inputs exactly representable in bf16: one fp32 oracle serves the fp32 and the bf16 runs
+    q32, k32, v32 = (jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+                     for kx, shape in ((kq, (b, s, h, dqk)), (kk, (b, s, h, dqk)), (kv, (b, s, h, dv))))
     ct = jax.random.normal(kc, (b, s, h, dv), jnp.float32)
     seg = jnp.asarray(np.repeat(np.arange(4), s // 4)[None].repeat(b, 0), jnp.int32)  # 4 packed documents
     ctx.set("equality_shape", {"B": b, "S": s, "H": h, "Dqk": dqk, "Dv": dv})
@@ -459,16 +462,7 @@ def section_attention(ctx: Context) -> None:
                             out, grads = jax.jit(lambda q, k, v: fwd_bwd(fn, q, k, v, **kw))(q, k, v)
                     except NotImplementedError as e:  # the backend refuses: attention() would run blockwise
                         return f"refused (falls through to blockwise): {str(e)[:160]}"
-                    # the oracle on the same (rounded) inputs
-                    if dtype == "float32":
-                        ref_out, ref_grads = oracle[case]
-                    else:
-                        if (case, dtype) not in oracle:
-                            with jax.default_matmul_precision("highest"):
-                                oracle[case, dtype] = jax.jit(
-                                    lambda q, k, v: fwd_bwd(ab.get("dense").fn, q, k, v, **kw))(
-                                    *(x.astype(jnp.float32) for x in (q, k, v)))
-                        ref_out, ref_grads = oracle[case, dtype]
+                    ref_out, ref_grads = oracle[case]  # on the same values (bf16-representable inputs)
                     errs = {"out": rel_err(out, ref_out), "dq": rel_err(grads[0], ref_grads[0]),
                             "dk": rel_err(grads[1], ref_grads[1]), "dv": rel_err(grads[2], ref_grads[2])}
                     tol = 1e-4 if dtype == "float32" else 2e-2
@@ -704,6 +698,9 @@ def _moe_layer(ctx: Context, peak: float) -> float | None:
     best = None
     for impl in ("sorted", "ragged"):
         def one(impl=impl):
+            if impl == "ragged" and ctx.dry_run:
+                raise Skip("dry run: the `sorted` run's code with moe_impl='ragged' (lax.ragged_dot, a dense "
+                           "masked matmul on the CPU), left out to keep the dry run short")
             cfg = ModelConfig(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e, num_experts_per_tok=k,
                               n_shared_experts=1, n_group=1, topk_group=1, dtype="bfloat16", moe_impl=impl,
                               moe_capacity_factors=ctx.size(ModelConfig.moe_capacity_factors, (2.0,)))
@@ -800,7 +797,7 @@ def section_train_medium(ctx: Context) -> None:
     peak, note = peak_flops(ctx)
     name = ctx.size("medium", "tiny")
     runs = ctx.size(((4096, 4), (32768, 1)), ((64, 2),))  # dry run: one length (the loop is the same)
-    layers = ctx.size({}, {**DRY_MODEL, "num_hidden_layers": 2, "first_k_dense_replace": 1})  # a dense layer too
+    layers = ctx.size({}, DRY_MODEL)
     ctx.set("setup", {"preset": name, "dtype": "bfloat16 compute, float32 params", "peak": note,
                       "step": "c2jax.train.step.make_train_step: fwd + bwd + AdamW + router-bias update, no MTP"})
     for seq, batch in runs:
@@ -856,29 +853,78 @@ def section_train_medium(ctx: Context) -> None:
             ctx.target(f"{name} training MFU at S={seq}", None, 35.0, "%")
 
 
-def _mtp_speculation() -> str:
-    """What the inference package offers for MTP speculative decoding (nothing yet, docs/inference.md)."""
-    import importlib
+def _engine_rates(cfg, graphdef, state, prompts, new, config):
+    """(decode tokens/s excluding the first token's time, tokens/s, ttft s, outputs, engine) of a greedy
+    generation; compiled first."""
+    from c2jax.models.inference import InferenceEngine, Request
 
-    found = []
-    for mod in ("engine", "steps", "forward", "sampling", "server"):
-        m = importlib.import_module(f"c2jax.models.inference.{mod}")
-        found += [f"{mod}.{n}" for n in dir(m) if "specul" in n.lower() or "draft" in n.lower()]
-    from c2jax.models.inference import InferenceEngine
+    engine = InferenceEngine(cfg, graphdef, state, config=config)
+    reqs = [Request(p, new, temperature=0.0) for p in prompts]
+    first = [Request(p, 1, temperature=0.0) for p in prompts]
+    engine.generate(reqs)  # compile every shape used below
+    engine.generate(first)
+    t0 = time.perf_counter()
+    engine.generate(first)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = engine.generate(reqs)
+    total = time.perf_counter() - t0
+    assert all(len(r.token_ids) == new for r in out)
+    b = len(prompts)
+    decode_s = max(total - ttft, 1e-9)
+    return b * (new - 1) / decode_s, b * new / total, ttft, [r.token_ids for r in out], engine
 
-    found += [f"InferenceEngine.{n}" for n in dir(InferenceEngine) if "specul" in n.lower() or "draft" in n.lower()]
-    if not found:
-        raise Skip("MTP speculative decoding is not implemented (no speculative/draft function in "
-                   "c2jax.models.inference; the MTP heads are not used for decoding, docs/inference.md)")
-    return f"found {found}: not measured, gpu_check has no call for it yet (add one in sections.py)"
+
+def _speculative_engines(cfg, prompts, new, chunk, k=2):
+    """(plain, speculative) `_engine_rates` of one model with an MTP module, greedy."""
+    import dataclasses
+
+    from flax import nnx
+
+    from c2jax.models.inference import EngineConfig
+    from c2jax.models.transformer import init
+
+    if "speculative_k" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        raise Skip("MTP speculative decoding is not implemented (EngineConfig has no speculative_k)")
+    cfg = cfg.replace(num_nextn_predict_layers=max(cfg.num_nextn_predict_layers, 1))
+    graphdef, state = nnx.split(init(cfg, seed=0))
+    base = dict(slots=len(prompts), max_len=len(prompts[0]) + new + 2 * chunk + k + 1, chunk_steps=chunk)
+    plain = _engine_rates(cfg, graphdef, state, prompts, new, EngineConfig(**base))
+    spec = _engine_rates(cfg, graphdef, state, prompts, new, EngineConfig(
+        **base, speculative_k=k, speculative_rounds=4, speculative_max_batch=len(prompts)))
+    return plain, spec
+
+
+def _mtp_speculation_equal(ctx: Context, cfg, prompts, new, chunk):
+    """Greedy speculative decoding emits exactly plain greedy decoding (models/inference/speculative.py):
+    checked in fp32 at the highest matmul precision, where the one-pass verify and the step-by-step decode
+    agree to rounding (in bf16 a near-tie may flip and the sequences part, which says nothing)."""
+    import jax
+
+    with jax.default_matmul_precision("highest"):
+        plain, spec = _speculative_engines(cfg.replace(dtype="float32"), prompts, new, chunk)
+    same = plain[3] == spec[3]
+    agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(plain[3], spec[3])]
+    ctx.check("sampler MTP speculative greedy == plain greedy (fp32)", same,
+              f"{len(prompts)} x {new} tokens; tokens equal before the first difference: {agree}")
+    return {"outputs_equal": same, "equal_prefix_tokens": agree, "acceptance_rate": spec[4].acceptance_rate}
+
+
+def _mtp_speculation_speed(ctx: Context, cfg, prompts, new, chunk):
+    if ctx.dry_run:
+        raise Skip("dry run: the equality run's code in bf16, left out to keep the dry run short")
+    plain, spec = _speculative_engines(cfg, prompts, new, chunk)
+    return {"batch": len(prompts), "k": 2, "plain_decode_tokens_per_s": plain[0],
+            "speculative_decode_tokens_per_s": spec[0], "speedup": spec[0] / plain[0],
+            "acceptance_rate": spec[4].acceptance_rate,
+            "note": "random weights: the acceptance (and so the speed-up) of a trained model will differ"}
 
 
 def section_sampler(ctx: Context) -> None:
-    import jax
     from flax import nnx
 
     from c2jax.models.config import preset
-    from c2jax.models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token
+    from c2jax.models.inference import EngineConfig, cache_bytes_per_token
     from c2jax.models.transformer import init
 
     name = ctx.size("medium", "tiny")
@@ -910,25 +956,13 @@ def section_sampler(ctx: Context) -> None:
         def one(b=b):
             prompts = rng.integers(1, cfg.vocab_size, size=(b, prompt_len)).tolist()
             config = EngineConfig(slots=b, max_len=prompt_len + new + chunk, chunk_steps=chunk)
-            engine = InferenceEngine(cfg, graphdef, state, config=config)
-            reqs = [Request(p, new, temperature=0.0) for p in prompts]
-            first = [Request(p, 1, temperature=0.0) for p in prompts]
-            engine.generate(reqs)  # compile every shape used below
-            engine.generate(first)
-            t0 = time.perf_counter()
-            engine.generate(first)
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = engine.generate(reqs)
-            total = time.perf_counter() - t0
-            assert all(len(r.token_ids) == new for r in out)
-            decode_s = max(total - ttft, 1e-9)
-            per_step = decode_s / (new - 1)
+            decode_rate, rate, ttft, _, _ = _engine_rates(cfg, graphdef, state, prompts, new, config)
+            per_step = b / decode_rate
             mean_len = prompt_len + new / 2
             step_bytes = (weight_bytes + frac(b) * expert_bytes + b * embed_row_bytes
                           + b * mean_len * latent_bytes)
-            r = {"tokens_per_s": b * new / total, "decode_tokens_per_s": b * (new - 1) / decode_s, "ttft_s": ttft,
-                 "total_s": total, "decode_step_ms": 1e3 * per_step, "bytes_per_step_GB": step_bytes / 1e9,
+            r = {"tokens_per_s": rate, "decode_tokens_per_s": decode_rate, "ttft_s": ttft,
+                 "decode_step_ms": 1e3 * per_step, "bytes_per_step_GB": step_bytes / 1e9,
                  "effective_GBps": step_bytes / per_step / 1e9}
             if bw:
                 r["bandwidth_utilisation_pct"] = 100 * r["effective_GBps"] / bw
@@ -938,8 +972,16 @@ def section_sampler(ctx: Context) -> None:
         if isinstance(r, dict):
             ctx.headline(f"b={b}: {r['decode_tokens_per_s']:,.0f} tok/s"
                          + (f" ({r['bandwidth_utilisation_pct']:.0f}% bw)" if "bandwidth_utilisation_pct" in r else ""))
-    ctx.sub("mtp_speculative_decoding", _mtp_speculation)
-    del jax
+    # MTP speculative decoding: equality on the tiny preset (cheap to compile), speed on this section's model
+    tiny = preset("tiny").replace(**DRY_MODEL) if ctx.dry_run else preset("tiny")
+    few = rng.integers(1, tiny.vocab_size, size=(ctx.size(2, 1), 16)).tolist()
+    ctx.sub("mtp_speculative/equality", lambda: _mtp_speculation_equal(ctx, tiny, few, ctx.size(32, 8), 4),
+            need_s=ctx.size(10, 1))
+    prompts = rng.integers(1, cfg.vocab_size, size=(1, prompt_len)).tolist()
+    r = ctx.sub("mtp_speculative/speed_batch1", lambda: _mtp_speculation_speed(ctx, cfg, prompts, new, chunk),
+                need_s=ctx.size(20, 1))
+    if isinstance(r, dict):
+        ctx.headline(f"MTP speculation b=1: {r['speedup']:.2f}x, acceptance {r['acceptance_rate']}")
 
 
 def section_rl_step(ctx: Context) -> None:
