@@ -41,7 +41,13 @@ from flax import nnx
 
 from c2jax.models.config import ModelConfig
 from c2jax.models.inference.forward import LayerCache, extend, mtp_step, mtp_write, prepare
-from c2jax.models.inference.sampling import SamplingParams, sample, sampling_logits, token_keys, token_logprobs
+from c2jax.models.inference.sampling import (
+    SamplingParams,
+    sample,
+    sampling_logits,
+    token_keys,
+    token_logprobs,
+)
 from c2jax.models.inference.steps import ChunkOutput, PrefillOutput, SlotState
 
 _DRAFT, _ACCEPT = 1, 2  # fold_in tags of a position's key
