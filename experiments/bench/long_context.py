@@ -2,7 +2,7 @@
 sequence lengths, per remat policy: compile seconds, XLA's temporary bytes (compiled memory analysis), the
 process's peak RSS, tokens/s and model FLOP/s counting causal attention (c2jax.models.flops).
 
-    python -m experiments.bench.long_context [--preset small --seqs 2048,8192,32768 --remat full]
+    python -m experiments.bench.long_context [--preset small --seqs 2048,8192,32768 --remat full] [--mtp]
 
 `--remat none` (the model's default policy) at 32k needs more memory than a 24 GB machine may have.
 
@@ -27,7 +27,7 @@ import optax
 
 from c2jax.machine import describe, finish, summary_line
 from c2jax.models.config import preset
-from c2jax.models.flops import training_flops_per_token
+from c2jax.models.flops import param_counts, training_flops_per_token
 from c2jax.models.transformer import init
 from c2jax.train.step import init_train_state, make_train_step
 
@@ -36,13 +36,13 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def measure(preset_name: str, seq: int, remat: str, steps: int) -> dict:
+def measure(preset_name: str, seq: int, remat: str, steps: int, mtp: bool = False) -> dict:
     base = preset(preset_name)
-    cfg = base.replace(remat_policy=remat, num_nextn_predict_layers=0,
+    cfg = base.replace(remat_policy=remat, num_nextn_predict_layers=base.num_nextn_predict_layers if mtp else 0,
                        max_position_embeddings=max(seq, base.max_position_embeddings))
     tx = optax.adamw(1e-4)
     graphdef, state = init_train_state(init(cfg, seed=0), tx)
-    step = make_train_step(graphdef, tx, router_bias_rate=1e-3)
+    step = make_train_step(graphdef, tx, router_bias_rate=1e-3, train_mtp=mtp, mtp_weight=0.1)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq + 1)).astype(np.int32)
     batch = {"input_ids": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:]),
              "segment_ids": jnp.ones((1, seq), jnp.int32), "positions": jnp.arange(seq, dtype=jnp.int32)[None],
@@ -61,8 +61,8 @@ def measure(preset_name: str, seq: int, remat: str, steps: int) -> dict:
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t)
     step_s = min(times)
-    flops = training_flops_per_token(cfg, seq, include_mtp=False) * seq
-    return {"seq": seq, "remat": remat, "compile_s": compile_s, "temp_bytes": temp, "peak_rss_gib": peak_rss_gib(),
+    flops = training_flops_per_token(cfg, seq, include_mtp=mtp) * seq
+    return {"seq": seq, "remat": remat, "mtp": mtp, "params": param_counts(cfg).total, "compile_s": compile_s, "temp_bytes": temp, "peak_rss_gib": peak_rss_gib(),
             "step_s": step_s, "tokens_per_s": seq / step_s, "model_flops_per_s": flops / step_s,
             "loss": float(metrics["loss"])}
 
@@ -73,15 +73,17 @@ def main(argv=None) -> dict:
     p.add_argument("--seqs", default="2048,8192,32768")
     p.add_argument("--remat", default="full", help="remat policies, comma separated (none: the default policy)")
     p.add_argument("--steps", type=int, default=1, help="timed steps after the first (best is reported)")
+    p.add_argument("--mtp", action="store_true", help="keep the preset's MTP module and train it (self-distillation):"
+                   " `small` is then 40.4M parameters")
     p.add_argument("--out", default="runs/bench/long_context.json")
     args = p.parse_args(argv)
     machine = describe()
     rows = []
     for remat in args.remat.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
-            row = measure(args.preset, seq, remat, args.steps)
+            row = measure(args.preset, seq, remat, args.steps, args.mtp)
             rows.append(row)
-            print(f"S={seq:6d} remat={remat:5s} compile {row['compile_s']:6.1f} s  "
+            print(f"{row['params'] / 1e6:5.1f}M  S={seq:6d} remat={remat:5s} compile {row['compile_s']:6.1f} s  "
                   f"temp {row['temp_bytes'] / 2**30:6.2f} "
                   f"GiB  peak RSS {row['peak_rss_gib']:5.2f} GiB  {row['tokens_per_s']:7.1f} tokens/s  "
                   f"{row['model_flops_per_s'] / 1e9:6.1f} GFLOP/s", flush=True)
