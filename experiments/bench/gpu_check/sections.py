@@ -910,16 +910,6 @@ def _mtp_speculation_equal(ctx: Context, cfg, prompts, new, chunk):
     return {"outputs_equal": same, "equal_prefix_tokens": agree, "acceptance_rate": spec[4].acceptance_rate}
 
 
-def _mtp_speculation_speed(ctx: Context, cfg, prompts, new, chunk):
-    if ctx.dry_run:
-        raise Skip("dry run: the equality run's code in bf16, left out to keep the dry run short")
-    plain, spec = _speculative_engines(cfg, prompts, new, chunk)
-    return {"batch": len(prompts), "k": 2, "plain_decode_tokens_per_s": plain[0],
-            "speculative_decode_tokens_per_s": spec[0], "speedup": spec[0] / plain[0],
-            "acceptance_rate": spec[4].acceptance_rate,
-            "note": "random weights: the acceptance (and so the speed-up) of a trained model will differ"}
-
-
 def section_sampler(ctx: Context) -> None:
     from flax import nnx
 
@@ -928,13 +918,18 @@ def section_sampler(ctx: Context) -> None:
     from c2jax.models.transformer import init
 
     name = ctx.size("medium", "tiny")
-    cfg = preset(name).replace(num_nextn_predict_layers=0, dtype="bfloat16", **ctx.size({}, DRY_MODEL))
+    # with its MTP module (medium has one): unused by plain decoding, the draft model of speculative decoding
+    # dry run: fp32, where speculative greedy must equal plain greedy exactly (checked by the speed run below)
+    dtype = ctx.size("bfloat16", "float32")
+    cfg = preset(name).replace(num_nextn_predict_layers=1, dtype=dtype, **ctx.size({}, DRY_MODEL))
     prompt_len, new, chunk = ctx.size((128, 64, 16), (8, 8, 4))
-    batches = ctx.size((1, 8, 32), (2,))
+    spec_k = 2
+    max_len = prompt_len + new + 2 * chunk + spec_k + 1  # room for a speculative round past the budget
+    batches = ctx.size((1, 8, 32), (1,))
     model = init(cfg, seed=0)
     graphdef, state = nnx.split(model)
     latent_bytes, _ = cache_bytes_per_token(cfg)
-    ctx.set("setup", {"preset": name, "dtype": "bfloat16 compute, float32 params", "prompt": prompt_len,
+    ctx.set("setup", {"preset": name, "dtype": f"{dtype} compute, float32 params", "prompt": prompt_len,
                       "new_tokens": new, "chunk_steps": chunk, "greedy": True,
                       "bytes_model": "per decode step: every non-expert weight + the routed experts a batch of b "
                                      "touches in expectation (1 - (1 - k/E)^b of them) + b embedding rows + the "
@@ -948,15 +943,20 @@ def section_sampler(ctx: Context) -> None:
             expert_bytes += value.nbytes
         elif path[0] == "embed_tokens":
             embed_row_bytes = value.nbytes // value.shape[0]
+        elif path[0] == "mtp":  # not read by plain decoding
+            continue
         else:
             weight_bytes += value.nbytes
     frac = lambda b: 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** b  # noqa: E731
     rng = __import__("numpy").random.default_rng(0)
+    prompts_by_batch = {b: rng.integers(1, cfg.vocab_size, size=(b, prompt_len)).tolist() for b in (*batches, 1)}
+    prompts1 = prompts_by_batch[1]
+    outputs = {}
     for b in batches:
         def one(b=b):
-            prompts = rng.integers(1, cfg.vocab_size, size=(b, prompt_len)).tolist()
-            config = EngineConfig(slots=b, max_len=prompt_len + new + chunk, chunk_steps=chunk)
-            decode_rate, rate, ttft, _, _ = _engine_rates(cfg, graphdef, state, prompts, new, config)
+            prompts = prompts_by_batch[b]
+            config = EngineConfig(slots=b, max_len=max_len, chunk_steps=chunk)
+            decode_rate, rate, ttft, outputs[b], _ = _engine_rates(cfg, graphdef, state, prompts, new, config)
             per_step = b / decode_rate
             mean_len = prompt_len + new / 2
             step_bytes = (weight_bytes + frac(b) * expert_bytes + b * embed_row_bytes
@@ -975,11 +975,28 @@ def section_sampler(ctx: Context) -> None:
     # MTP speculative decoding: equality on the tiny preset (cheap to compile), speed on this section's model
     tiny = preset("tiny").replace(**DRY_MODEL) if ctx.dry_run else preset("tiny")
     few = rng.integers(1, tiny.vocab_size, size=(ctx.size(2, 1), 16)).tolist()
-    ctx.sub("mtp_speculative/equality", lambda: _mtp_speculation_equal(ctx, tiny, few, ctx.size(32, 8), 4),
-            need_s=ctx.size(10, 1))
-    prompts = rng.integers(1, cfg.vocab_size, size=(1, prompt_len)).tolist()
-    r = ctx.sub("mtp_speculative/speed_batch1", lambda: _mtp_speculation_speed(ctx, cfg, prompts, new, chunk),
-                need_s=ctx.size(20, 1))
+    def equality():
+        if cfg.dtype == "float32":
+            raise Skip("this section's model is fp32 here: the speed run below checks the same equality on it")
+        return _mtp_speculation_equal(ctx, tiny, few, ctx.size(32, 8), 4)
+
+    ctx.sub("mtp_speculative/equality", equality, need_s=ctx.size(10, 1))
+    def speed():
+        plain = ctx.record["results"].get("batch1")
+        if not isinstance(plain, dict):
+            raise Skip("needs the batch-1 plain decoding figure of this section, which did not run")
+        config = EngineConfig(slots=1, max_len=max_len, chunk_steps=chunk, speculative_k=spec_k,
+                              speculative_rounds=4, speculative_max_batch=1)
+        spec = _engine_rates(cfg, graphdef, state, prompts1, new, config)
+        if cfg.dtype == "float32":  # exact arithmetic up to rounding: greedy speculation is plain greedy
+            ctx.check("sampler MTP speculative greedy == plain greedy (fp32)", spec[3] == outputs[1],
+                      f"1 x {new} tokens, k = {spec_k}")
+        return {"batch": 1, "k": spec_k, "plain_decode_tokens_per_s": plain["decode_tokens_per_s"],
+                "speculative_decode_tokens_per_s": spec[0], "speedup": spec[0] / plain["decode_tokens_per_s"],
+                "acceptance_rate": spec[4].acceptance_rate,
+                "note": "random weights: the acceptance (and so the speed-up) of a trained model will differ"}
+
+    r = ctx.sub("mtp_speculative/speed_batch1", speed, need_s=ctx.size(15, 1))
     if isinstance(r, dict):
         ctx.headline(f"MTP speculation b=1: {r['speedup']:.2f}x, acceptance {r['acceptance_rate']}")
 
