@@ -114,7 +114,7 @@ def _speculative_pairs(cfg, graphdef, state, prompt, params_row, n, k):
     prefix = jnp.asarray([prompt[:-1] + [0] * (8 - len(prompt) + 1)], jnp.int32)
     one = SamplingParams(*(a[:1] for a in params_row))
     out, mtp, spec = prefill_slot_spec(cfg, graphdef, state, init_cache(cfg, 1, length),
-                                       init_mtp_cache(cfg, 1, length), init_spec_state(cfg, 1, k + 1), prefix,
+                                       init_mtp_cache(cfg, 1, length), init_spec_state(cfg, 1), prefix,
                                        jnp.int32(len(prompt) - 1), jnp.int32(0), jnp.int32(0), one,
                                        jnp.int32(prompt[-1]), key_len=length)
     tile = lambda tree: jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), tree)  # noqa: E731
@@ -178,15 +178,15 @@ def test_speculation_turns_off_above_max_batch_and_resumes(model):
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     # two live slots > 1: plain chunks (that keep the MTP cache current); then one slot: speculative
     assert spec.spec_stats["plain_chunks"] > 0 and spec.spec_stats["spec_chunks"] > 0
-    # the MTP cache of the long request (slot 1), written by plain steps, catch-ups and rejected drafts then
-    # rolled back, equals module 0's entries computed from the final sequence with the trainer's forward, up
-    # to the positions the last round settled (their entries are written at the start of the next round)
+    # the MTP cache of the long request (slot 1), written by the prefill, plain steps, speculative rounds and
+    # rejected drafts then rolled back, equals module 0's entries computed from the final sequence with the
+    # trainer's forward at every position that has a next token
     seq = list(reqs[1].prompt_ids) + got[1].token_ids
     trunk = forward(graphdef, state, jnp.asarray([seq]), return_mtp=False)
     prepared = prepare(graphdef, state)
     ref = mtp_write(CFG, prepared, 0, init_mtp_cache(CFG, 1, 64)[0], prepared.model.norm(trunk.hidden[:, :-1]),
                     jnp.asarray([seq[1:]]), None, jnp.zeros(1, jnp.int32))
-    settled = len(seq) - 1 - (spec.config.speculative_k + 1)
+    settled = len(seq) - 1
     for got_c, ref_c in zip(spec.mtp_cache[0], ref, strict=True):
         np.testing.assert_allclose(got_c[1, :settled], ref_c[0, :settled], rtol=1e-4, atol=1e-5)
 

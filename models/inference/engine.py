@@ -113,7 +113,7 @@ class InferenceEngine:
             raise ValueError("EngineConfig.speculative_k > 0 needs MTP modules (cfg.num_nextn_predict_layers = 0)")
         # MTP cache and draft anchors; kept up to date in plain chunks too, so speculation can resume
         self.mtp_cache = init_mtp_cache(cfg, b, config.max_len) if self.speculative else None
-        self.spec = init_spec_state(cfg, b, config.speculative_k + 1) if self.speculative else None
+        self.spec = init_spec_state(cfg, b) if self.speculative else None
         self.spec_stats = {"rounds": 0, "drafted": 0, "accepted": 0, "spec_chunks": 0, "plain_chunks": 0}
 
     @classmethod
@@ -145,7 +145,7 @@ class InferenceEngine:
         self._check_prompt(prefix, 0)
         row = init_cache(self.cfg, 1, self.config.max_len)
         mtp_row = init_mtp_cache(self.cfg, 1, self.config.max_len) if self.speculative else None
-        spec_row = init_spec_state(self.cfg, 1, self.config.speculative_k + 1) if self.speculative else None
+        spec_row = init_spec_state(self.cfg, 1) if self.speculative else None
         out, mtp_row, _ = self._run_prefill(row, mtp_row, spec_row, 0, prefix, 0, Request(prefix, 1))
         experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)[: len(prefix)]
         self._prefix = (prefix, out.cache, mtp_row, experts)

@@ -5,19 +5,20 @@ Chen et al. 2023), so every emitted token is distributed exactly as the main mod
 A round for a slot whose cache holds n tokens (the pending token x_n, sampled but not yet in the cache, sits
 at position n):
 
-  1. MTP cache catch-up. MTP module 0's cache entry at position t depends only on that position's inputs:
-     the trunk's normed hidden state h(t) and the token x_{t+1}. The previous round left them for the positions
-     it settled (`SpecState`); their entries are written now, with the current weights.
-  2. Draft. Step i = 0..k-1 runs MTP module min(i, D - 1) (one module reused when k > D, EAGLE style) at
+  1. Draft. Step i = 0..k-1 runs MTP module min(i, D - 1) (one module reused when k > D, EAGLE style) at
      position n - 1 + i on (hidden, token): step 0 on (h(n - 1), x_n), exactly what the trainer's module 0
      sees; step i > 0 on (step i - 1's normed output, draft d_i). Its logits q_{i+1} give d_{i+1} ~ q_{i+1}.
-  3. Verify. The main model runs [x_n, d_1, ..., d_k] at positions n..n+k in one cached forward: logits
+  2. Verify. The main model runs [x_n, d_1, ..., d_k] at positions n..n+k in one cached forward: logits
      p_1..p_{k+1} (p_j for the token at position n + j), trunk hidden states, routed expert ids.
-  4. Accept. d_j is kept with probability min(1, p_j(d_j) / q_j(d_j)) while every earlier one was kept; at
+  3. Accept. d_j is kept with probability min(1, p_j(d_j) / q_j(d_j)) while every earlier one was kept; at
      the first rejection j the token is drawn from norm(max(0, p_j - q_j)); if all k are kept, a bonus token
      is drawn from p_{k+1}. p and q are the sampler's distributions: temperature-scaled and top-k / top-p
      truncated the same way (`sampling.sampling_logits`); greedy rows use one-hot distributions (the argmax),
      which makes the output exactly plain greedy decoding.
+  4. MTP cache upkeep. MTP module 0's cache entry at position t depends only on that position's inputs, the
+     trunk's normed hidden state h(t) and the token x_{t+1}; the verify pass just produced them for the
+     settled positions n..n+a, so their entries are written (`forward.mtp_write`, no attention). h(n + a) is
+     the next round's anchor (`SpecState`).
   5. Rollback is free: the cache length becomes n + (tokens kept); latents written for rejected positions lie
      past it, are masked out, and are overwritten before any query can see them.
 
@@ -54,17 +55,13 @@ _DRAFT, _ACCEPT = 1, 2  # fold_in tags of a position's key
 
 
 class SpecState(NamedTuple):
-    """Per slot [B, W] (W = k_max + 1): MTP module 0's inputs for the positions start..start+count-1 the last
-    round settled, whose MTP cache entries are still to be written (the last one is the next draft's anchor)."""
-    hidden: jnp.ndarray  # [B, W, d] the trunk's output after its final norm
-    tokens: jnp.ndarray  # [B, W] int32, the token after each position
-    start: jnp.ndarray  # [B] int32
-    count: jnp.ndarray  # [B] int32, 1..W (start + count == the slot's cache length)
+    """The next draft's anchor per slot: the trunk's output after its final norm at the last cached position
+    n - 1 (the anchor's token is the slot's pending token x_n)."""
+    hidden: jnp.ndarray  # [B, d]
 
 
-def init_spec_state(cfg: ModelConfig, slots: int, width: int) -> SpecState:
-    return SpecState(jnp.zeros((slots, width, cfg.hidden_size), jnp.dtype(cfg.dtype)),
-                     jnp.zeros((slots, width), jnp.int32), jnp.zeros(slots, jnp.int32), jnp.ones(slots, jnp.int32))
+def init_spec_state(cfg: ModelConfig, slots: int) -> SpecState:
+    return SpecState(jnp.zeros((slots, cfg.hidden_size), jnp.dtype(cfg.dtype)))
 
 
 def _rows(params: SamplingParams, reps: int) -> SamplingParams:
@@ -146,13 +143,6 @@ def draft_tokens(cfg: ModelConfig, prepared, mtp_cache, hidden, token, start, pa
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), tuple(mtp_cache)
 
 
-def _catch_up(cfg, prepared, mtp_cache, spec: SpecState):
-    """Write MTP module 0's cache entries for the positions the last round settled (rows past `count` land at
-    positions >= the cache length: never visible before they are rewritten)."""
-    first = mtp_write(cfg, prepared, 0, mtp_cache[0], spec.hidden, spec.tokens, None, spec.start)
-    return (first, *mtp_cache[1:])
-
-
 class SpecChunkOutput(NamedTuple):
     out: ChunkOutput  # arrays [rounds, B, k+1] ([..., L_moe, top_k] for expert ids)
     drafted: jnp.ndarray  # [rounds, B] int32 drafts proposed for live slots
@@ -170,17 +160,12 @@ def spec_decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mt
     SpecState, SpecChunkOutput)."""
     prepared = prepare(graphdef, state)
     model = prepared.model
-    width = spec.tokens.shape[1]
-    if k + 1 > width:
-        raise ValueError(f"k = {k} drafts need a SpecState of width >= {k + 1}, got {width}")
 
     def one_round(carry, _):
         cache, mtp_cache, s, sp = carry
         n = s.lengths
-        mtp_cache = _catch_up(cfg, prepared, mtp_cache, sp)
         if k:
-            anchor = jnp.take_along_axis(sp.hidden, (sp.count - 1)[:, None, None], axis=1)[:, 0]
-            drafts, q_logits, mtp_cache = draft_tokens(cfg, prepared, mtp_cache, anchor, s.pending, n - 1,
+            drafts, q_logits, mtp_cache = draft_tokens(cfg, prepared, mtp_cache, sp.hidden, s.pending, n - 1,
                                                        sampling, k=k, key_len=key_len, absorbed=absorbed)
             inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)
         else:
@@ -202,12 +187,12 @@ def spec_decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mt
         remaining = s.remaining - emitted
         stopped = jnp.any(hit & valid, axis=1)
         new = SlotState(jnp.where(live, last, s.pending), n + emitted, live & ~stopped & (remaining > 0), remaining)
-        hidden = model.norm(out.hidden).astype(sp.hidden.dtype)
-        pad = width - (k + 1)
-        new_sp = SpecState(
-            jnp.where(live[:, None, None], jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))), sp.hidden),
-            jnp.where(live[:, None], jnp.pad(tokens, ((0, 0), (0, pad))), sp.tokens),
-            jnp.where(live, n, sp.start), jnp.where(live, jnp.maximum(emitted, 1), sp.count))
+        # MTP cache entries of the settled positions n..n+emitted-1 (rows past them land at positions >= the new
+        # length: masked, and rewritten before any query sees them); the last settled one is the next anchor
+        hidden = model.norm(out.hidden).astype(sp.hidden.dtype)  # [B, k+1, d]
+        mtp_cache = (mtp_write(cfg, prepared, 0, mtp_cache[0], hidden, tokens, None, n), *mtp_cache[1:])
+        anchor = jnp.take_along_axis(hidden, jnp.maximum(emitted - 1, 0)[:, None, None], axis=1)[:, 0]
+        new_sp = SpecState(jnp.where(live[:, None], anchor, sp.hidden))
         experts = out.expert_ids  # [B, k+1, L_moe, top_k]
         chunk = ChunkOutput(tokens, verdict.logprobs, verdict.raw_logprobs, experts, valid)
         stats = (jnp.where(live, k, 0).astype(jnp.int32), jnp.where(live, verdict.accepted, 0))
@@ -223,9 +208,9 @@ def spec_decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mt
 def prefill_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mtp_cache, spec: SpecState, tokens,
                       n_valid, slot, start, sampling: SamplingParams, next_token, *, key_len: int,
                       absorbed: bool = False):
-    """steps.prefill_slot that also fills the slot's MTP module-0 cache for the prompt positions and leaves the
-    last prompt position, with the token after it, as the next draft's anchor. That token is the sampled first
-    token, or `next_token` when >= 0 (re-prefilling a live sequence after a weight swap: its pending token).
+    """steps.prefill_slot that also fills the slot's MTP module-0 cache for the prompt positions and makes the
+    last prompt position the next draft's anchor. The token after it is the sampled first token, or
+    `next_token` when >= 0 (re-prefilling a live sequence after a weight swap: its pending token).
     Returns (PrefillOutput, mtp_cache, spec)."""
     prepared = prepare(graphdef, state)
     out = extend(cfg, graphdef, state, cache, tokens, slot[None], start[None], key_len=key_len,
@@ -238,10 +223,7 @@ def prefill_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mt
     nxt = jnp.roll(tokens, -1, axis=1)
     nxt = jnp.where(jnp.arange(t)[None] == n_valid - 1, following, nxt)  # the token after each position
     mtp_cache = (mtp_write(cfg, prepared, 0, mtp_cache[0], hidden, nxt, slot[None], start[None]), *mtp_cache[1:])
-    row = jnp.zeros_like(spec.hidden[0]).at[0].set(hidden[0, n_valid - 1].astype(spec.hidden.dtype))
-    spec = SpecState(spec.hidden.at[slot].set(row), spec.tokens.at[slot].set(
-        jnp.zeros_like(spec.tokens[0]).at[0].set(following)),
-        spec.start.at[slot].set(start + n_valid - 1), spec.count.at[slot].set(1))
+    spec = SpecState(spec.hidden.at[slot].set(hidden[0, n_valid - 1].astype(spec.hidden.dtype)))
     experts = None if out.expert_ids is None else out.expert_ids[0]
     first_experts = None if experts is None else experts[n_valid - 1][None]
     return PrefillOutput(out.cache, first, first_experts, experts), mtp_cache, spec
