@@ -40,23 +40,38 @@ from c2jax.train.step import init_train_state, make_train_step  # noqa: E402
 from c2jax.train.synthetic import MarkovSource  # noqa: E402
 
 
-def train(cfg, steps: int, branching: int, seed: int = 0):
-    """(model, source, metrics): `steps` pretraining steps with the MTP self-distillation loss on."""
+def train(cfg, steps: int, branching: int, seed: int = 0, cache: str | None = None):
+    """(model, source, metrics): `steps` pretraining steps with the MTP self-distillation loss on. With `cache`
+    (an .npz path), weights trained earlier with the same settings are loaded instead of retrained."""
+    source = MarkovSource(cfg.vocab_size, seq_len=128, batch_size=8, seed=seed, branching=branching, doc_len=128)
     model = init(cfg, seed=seed)
+    graphdef, state = nnx.split(model)
+    tag = f"{steps}-{branching}-{seed}"
+    if cache and Path(cache).exists():
+        saved = np.load(cache)
+        if str(saved["tag"]) == tag:
+            leaves = [jnp.asarray(saved[f"leaf{i}"]) for i in range(len(jax.tree.leaves(state)))]
+            state = jax.tree.unflatten(jax.tree.structure(state), leaves)
+            print(f"  loaded the trained weights from {cache}", flush=True)
+            return nnx.merge(graphdef, state), source, json.loads(str(saved["metrics"]))
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, max(steps, 21), 3e-4), weight_decay=0.0)
     graphdef, ts = init_train_state(model, tx, seed)
     step = jax.jit(make_train_step(graphdef, tx, router_bias_rate=1e-3, mtp_weight=1.0, train_mtp=True),
                    donate_argnums=0)
-    source = MarkovSource(cfg.vocab_size, seq_len=128, batch_size=16, seed=seed, branching=branching, doc_len=128)
     metrics = {}
     t0 = time.perf_counter()
     for i in range(steps):
         ts, m = step(ts, next(source))
-        if i % 50 == 0 or i == steps - 1:
+        if i % 25 == 0 or i == steps - 1:
             metrics = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
             print(f"  train step {i}: " + " ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())), flush=True)
     metrics["train_s"] = time.perf_counter() - t0
-    return nnx.merge(graphdef, ts.params, ts.model_state), source, metrics
+    model = nnx.merge(graphdef, ts.params, ts.model_state)
+    if cache:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        leaves = {f"leaf{i}": np.asarray(a) for i, a in enumerate(jax.tree.leaves(nnx.split(model)[1]))}
+        np.savez(cache, tag=tag, metrics=json.dumps(metrics), **leaves)
+    return model, source, metrics
 
 
 def chain_prompts(source: MarkovSource, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -131,12 +146,13 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-steps", type=int, default=8)
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--branching", type=int, default=2)
+    ap.add_argument("--cache", default="runs/bench/speculative_small_mtp.npz", help="trained weights ('' = none)")
     ap.add_argument("--out", default="runs/bench/speculative.json")
     args = ap.parse_args(argv)
     machine = describe()
     cfg = preset("small")
     print(f"training small ({cfg.num_nextn_predict_layers} MTP module) for {args.train_steps} steps", flush=True)
-    model, source, train_metrics = train(cfg, args.train_steps, args.branching)
+    model, source, train_metrics = train(cfg, args.train_steps, args.branching, cache=args.cache or None)
     graphdef, state = nnx.split(model)
     rows = []
     for batch in args.batches:
