@@ -116,6 +116,8 @@ def run_section_subprocess(spec: Spec, deadline_s: float, args, log_path: Path, 
            "--deadline-s", f"{deadline_s:.1f}"]
     if args.dry_run:
         cmd.append("--dry-run")
+    if args.allow_cpu:
+        cmd.append("--allow-cpu")
     with open(log_path, "ab") as log:
         log.write(f"\n===== section {spec.name} (deadline {deadline_s:.0f} s) {_now_utc()}\n".encode())
         log.flush()
@@ -160,7 +162,7 @@ def run_section_inprocess(spec: Spec, deadline_s: float, args) -> dict:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
-        sections.run_worker(spec.name, path, args.dry_run, deadline_s)
+        sections.run_worker(spec.name, path, args.dry_run, deadline_s, args.allow_cpu)
         record = _read_json(path) or {"status": "crashed"}
     record.pop("current", None)
     record["seconds"] = round(time.monotonic() - start, 1)
@@ -343,7 +345,7 @@ def main(argv=None) -> int:
     if args.worker:  # inside a section's subprocess
         from experiments.bench.gpu_check import sections
 
-        return sections.run_worker(args.worker, Path(args.result), args.dry_run, args.deadline_s)
+        return sections.run_worker(args.worker, Path(args.result), args.dry_run, args.deadline_s, args.allow_cpu)
     if args.list:
         for s in SPECS:
             print(f"{s.name:18s} {s.deadline_s:5.0f} s  {s.title}{'  (--selftest)' if s.selftest else ''}")

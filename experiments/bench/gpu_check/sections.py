@@ -272,7 +272,7 @@ def section_env(ctx: Context) -> None:
     def matmul_peak():
         import jax.numpy as jnp
 
-        n = ctx.size(8192, 256)
+        n = 8192 if ctx.gpu else 256  # by the device, not the mode: a run without a GPU only reports it
         key = jax.random.key(0)
         a = jax.random.normal(key, (n, n), jnp.bfloat16)
         b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
@@ -281,7 +281,7 @@ def section_env(ctx: Context) -> None:
         return {"n": n, "ms": 1e3 * t, "tflops": tflops, "pct_of_790": 100 * tflops / 790}
 
     mm = ctx.sub("bf16_matmul", matmul_peak, need_s=5)
-    bw = ctx.sub("copy_GBps", lambda: copy_bandwidth(ctx.size(2 << 30, 8 << 20)) / 1e9, need_s=3)
+    bw = ctx.sub("copy_GBps", lambda: copy_bandwidth((2 << 30) if ctx.gpu else (8 << 20)) / 1e9, need_s=3)
     if mm:
         ctx.headline(f"bf16 {mm['n']}^3 matmul {mm['tflops']:.3g} TFLOP/s")
     if bw:
@@ -1087,12 +1087,22 @@ SECTIONS: dict[str, Callable[[Context], None]] = {
 }
 
 
-def run_worker(name: str, path: Path, dry_run: bool, deadline_s: float | None) -> int:
-    """Run one section, recording into `path`. Exit code 0 unless the section raised."""
+def run_worker(name: str, path: Path, dry_run: bool, deadline_s: float | None, allow_cpu: bool = False) -> int:
+    """Run one section, recording into `path`. Exit code 0 unless the section raised. Without --dry-run a
+    section other than `env` and the self-tests refuses to start its full-size work without a GPU."""
     if dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
     ctx = Context(name, path, dry_run, deadline_s)
     try:
+        if not (dry_run or allow_cpu or name == "env" or name.startswith("selftest") or ctx.gpu):
+            import jax
+
+            ctx.record["status"] = "skipped"
+            ctx.record["reason"] = (f"needs GPU: the JAX backend here is {jax.default_backend()!r}; the full-size "
+                                    "section would take hours on it (use --dry-run, or --allow-cpu)")
+            ctx.record.pop("errors", None)
+            ctx.flush()
+            return 0
         SECTIONS[name](ctx)
     except Exception as e:  # noqa: BLE001 - recorded; the driver goes on with the next section
         ctx.record["status"] = "error"
