@@ -372,11 +372,12 @@ def section_model(ctx: Context) -> None:
                 detail = (f"rel L2 vs CPU: logits {row['logits_err_vs_cpu_same_dtype']:.2e}, grads "
                           f"{row['grads_err_vs_cpu_same_dtype']:.2e} (tol {tol:g})")
             else:  # low precision: the device may differ from the CPU, but must be no further from fp32
-                lim_l = 2 * row["cpu_logits_err_vs_fp32_ref"] + 1e-3
-                lim_g = 2 * row["cpu_grads_err_vs_fp32_ref"] + 1e-3
+                # 3x + 2e-3: room for a GPU kernel keeping more in bf16 (cuDNN's P.V); a real bug is O(1)
+                lim_l = 3 * row["cpu_logits_err_vs_fp32_ref"] + 2e-3
+                lim_g = 3 * row["cpu_grads_err_vs_fp32_ref"] + 2e-3
                 ok = finite and row["logits_err_vs_fp32_ref"] <= lim_l and row["grads_err_vs_fp32_ref"] <= lim_g
                 detail = (f"rel L2 vs fp32 reference: logits {row['logits_err_vs_fp32_ref']:.2e} (<= {lim_l:.2e}: "
-                          f"2x the CPU's + 1e-3), grads {row['grads_err_vs_fp32_ref']:.2e} (<= {lim_g:.2e})")
+                          f"3x the CPU's + 2e-3), grads {row['grads_err_vs_fp32_ref']:.2e} (<= {lim_g:.2e})")
             ctx.check(f"model {name} fwd+grad on {dev.platform}", ok, detail)
             return row
 
@@ -677,8 +678,7 @@ def section_grouped_gemm(ctx: Context) -> None:
                         "bf16_by_impl": bf16_rates, "fp8_by_impl": fp8_rates})
     if best_bf16:
         ctx.headline(f"best bf16 grouped {best_bf16:.3g} TFLOP/s ({100 * best_bf16 * 1e12 / peak:.0f}% peak)")
-    if moe:
-        ctx.target("MoE layer (fwd+bwd) % of bf16 peak", moe, 50.0, "%")
+    ctx.target("MoE layer (fwd+bwd) % of bf16 peak", moe, 50.0, "%")
     ctx.target("FP8 grouped GEMM / bf16 grouped GEMM", best_fp8 / best_bf16 if best_fp8 and best_bf16 else None,
                1.5, "x")
 
