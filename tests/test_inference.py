@@ -198,3 +198,26 @@ def test_too_long_is_refused(model):
         engine.set_prefix([1] * 65)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.submit(Request([CFG.vocab_size], 5))
+
+
+@pytest.mark.parametrize("speculative_k", [0, 3])
+def test_group_prompt_prefilled_once(model, speculative_k):
+    """A GRPO group (G samples of one prompt, admitted in the same step) runs one prefill; the other G - 1
+    slots copy its cache rows and sample their first token from the same logits. Every sample equals the one
+    the request gets from its own prefill (same seed, same positions), with a speculative engine too."""
+    graphdef, state = model
+    prompt = [7, 3, 9, 1, 4, 4, 2]
+    group = [Request(prompt, 6, temperature=1.0, seed=s) for s in (0, 1)]
+    config = EngineConfig(slots=2, max_len=64, chunk_steps=4, speculative_k=speculative_k, speculative_rounds=2)
+    engine = InferenceEngine(CFG, graphdef, state, config=config)
+    got = engine.generate(group)
+    assert engine.prefill_stats == {"calls": 1, "tokens": len(prompt), "forks": 1}
+    alone = InferenceEngine(CFG, graphdef, state, config=config)  # one request at a time: each prefills
+    for request, result in zip(group, got, strict=True):
+        want = alone.generate([request])[0]
+        assert result.token_ids == want.token_ids
+        np.testing.assert_allclose(result.logprobs, want.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(result.expert_ids, want.expert_ids)
+        np.testing.assert_array_equal(result.prompt_expert_ids, want.prompt_expert_ids)
+    assert alone.prefill_stats == {"calls": 2, "tokens": 2 * len(prompt), "forks": 0}
+    assert got[0].token_ids != got[1].token_ids  # different seeds: different samples

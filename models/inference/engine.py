@@ -14,20 +14,24 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
 from c2jax.models.inference.forward import init_cache, init_mtp_cache
-from c2jax.models.inference.sampling import SamplingParams
+from c2jax.models.inference.sampling import SamplingParams, sample
 from c2jax.models.inference.speculative import (
     copy_mtp_row,
+    fork_slot_spec,
     init_spec_state,
     prefill_slot_spec,
     spec_decode_chunk,
 )
-from c2jax.models.inference.steps import SlotState, copy_row, decode_chunk, prefill_slot
+from c2jax.models.inference.steps import SlotState, copy_row, copy_slot, decode_chunk, prefill_slot
+
+_sample = jax.jit(sample)
 
 
 class ContextWindowExceeded(ValueError):
@@ -115,6 +119,7 @@ class InferenceEngine:
         self.mtp_cache = init_mtp_cache(cfg, b, config.max_len) if self.speculative else None
         self.spec = init_spec_state(cfg, b) if self.speculative else None
         self.spec_stats = {"rounds": 0, "drafted": 0, "accepted": 0, "spec_chunks": 0, "plain_chunks": 0}
+        self.prefill_stats = {"calls": 0, "tokens": 0, "forks": 0}  # forks: admissions that reused a prefill
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> InferenceEngine:
@@ -227,8 +232,14 @@ class InferenceEngine:
         self.cache = out.cache
         return out
 
-    def _admit(self, rid: int, request: Request, slot: int) -> None:
+    def _admit(self, rid: int, request: Request, slot: int, fresh: dict) -> None:
+        """Prefill request's prompt into slot and record its first token. `fresh` maps the prompts prefilled
+        in this step to (slot, ...): an identical prompt (the G samples of a GRPO group) is copied from there
+        instead of prefilled again, and its first token sampled from the same last-position logits."""
         prompt = [int(t) for t in request.prompt_ids]
+        if tuple(prompt) in fresh:
+            self._fork(rid, request, slot, prompt, *fresh[tuple(prompt)])
+            return
         start, prefix_experts = 0, None
         if self._prefix is not None:
             prefix, prefix_cache, prefix_mtp, prefix_experts = self._prefix
@@ -239,17 +250,34 @@ class InferenceEngine:
                     self.mtp_cache = copy_mtp_row(self.mtp_cache, prefix_mtp, jnp.int32(slot))
                 self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
         out = self._prefill(slot, prompt, start, request)
+        self.prefill_stats["calls"] += 1
+        self.prefill_stats["tokens"] += len(prompt) - start
         prompt_experts = None
         if out.prompt_experts is not None:
             own = np.asarray(out.prompt_experts)[: len(prompt) - start]
             prompt_experts = own if start == 0 else np.concatenate([prefix_experts[:start], own])
+        experts = None if out.first_experts is None else np.asarray(out.first_experts)[0]
+        fresh[tuple(prompt)] = (slot, out.last_logits, prompt_experts, experts)
+        self._start(rid, request, slot, prompt, prompt_experts, out.first, experts)
+
+    def _fork(self, rid: int, request: Request, slot: int, prompt: list[int], src: int, last_logits,
+              prompt_experts, first_experts) -> None:
+        self.cache = copy_slot(self.cache, jnp.int32(src), jnp.int32(slot))
+        first = _sample(last_logits, self._sampling([request]), jnp.asarray([len(prompt)], jnp.int32))
+        if self.speculative:
+            self.mtp_cache, self.spec = fork_slot_spec(self.cfg, self.graphdef, self.state, self.mtp_cache,
+                                                       self.spec, jnp.int32(src), jnp.int32(slot),
+                                                       first.tokens[0], jnp.int32(len(prompt) - 1))
+        self.prefill_stats["forks"] += 1
+        self._start(rid, request, slot, prompt, prompt_experts, first, first_experts)
+
+    def _start(self, rid: int, request: Request, slot: int, prompt: list[int], prompt_experts, first,
+               first_experts) -> None:
         live = _Live(request, GenerationResult([], [], [], None, "length", prompt_expert_ids=prompt_experts))
         self._slots[slot] = live
         self._lengths[slot], self._remaining[slot] = len(prompt), request.max_new_tokens
-        first = out.first
-        experts = None if out.first_experts is None else np.asarray(out.first_experts)[0]
         self._record(slot, rid, int(first.tokens[0]), float(first.logprobs[0]), float(first.raw_logprobs[0]),
-                     experts)
+                     first_experts)
 
     def _record(self, slot: int, rid: int, token: int, logprob: float, raw: float, experts) -> None:
         """Append one sampled token to slot's sequence; finish it if a stop condition holds."""
@@ -284,11 +312,12 @@ class InferenceEngine:
 
     def step(self) -> None:
         """Admit queued requests into free slots, then run one decode chunk over all live slots."""
+        fresh: dict = {}  # prompts prefilled in this step: their slots' rows hold exactly the prompt
         for slot in range(self.config.slots):
             if self._slots[slot] is None and self._queue:
                 rid, request = self._queue.popleft()
                 self._live_ids[slot] = rid
-                self._admit(rid, request, slot)
+                self._admit(rid, request, slot, fresh)
         live = [s is not None for s in self._slots]
         if not any(live):
             return

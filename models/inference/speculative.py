@@ -226,7 +226,21 @@ def prefill_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mt
     spec = SpecState(spec.hidden.at[slot].set(hidden[0, n_valid - 1].astype(spec.hidden.dtype)))
     experts = None if out.expert_ids is None else out.expert_ids[0]
     first_experts = None if experts is None else experts[n_valid - 1][None]
-    return PrefillOutput(out.cache, first, first_experts, experts), mtp_cache, spec
+    return PrefillOutput(out.cache, first, first_experts, experts, last), mtp_cache, spec
+
+
+@partial(jax.jit, static_argnames=("cfg", "graphdef"), donate_argnames=("mtp_cache", "spec"))
+def fork_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, mtp_cache, spec: SpecState, src, dst, token,
+                   position):
+    """The MTP side of copying a freshly prefilled prompt from slot src to slot dst: the MTP cache rows and the
+    anchor are copied, and the entry at the last prompt position (`position`) is rewritten with dst's own first
+    sampled token `token`."""
+    mtp_cache = jax.tree.map(lambda a: a.at[dst].set(a[src]), mtp_cache)
+    hidden = spec.hidden[src]
+    prepared = prepare(graphdef, state)
+    first = mtp_write(cfg, prepared, 0, mtp_cache[0], hidden[None, None], token.reshape(1, 1), dst[None],
+                      position[None])
+    return (first, *mtp_cache[1:]), SpecState(spec.hidden.at[dst].set(hidden))
 
 
 @partial(jax.jit, donate_argnames=("mtp_cache",))

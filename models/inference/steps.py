@@ -24,6 +24,7 @@ class PrefillOutput(NamedTuple):
     first: object  # sampling.Sample for the first generated token, rows [1]
     first_experts: jnp.ndarray | None  # [1, L_moe, k] experts at the last prompt position
     prompt_experts: jnp.ndarray | None  # [T_bucket, L_moe, k] experts of every prompt token
+    last_logits: jnp.ndarray | None = None  # [1, V] logits at the last prompt position (forks sample from them)
 
 
 @partial(jax.jit, static_argnames=("cfg", "graphdef", "key_len", "absorbed"), donate_argnames=("cache",))
@@ -35,7 +36,13 @@ def prefill_slot(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, tokens,
     first = sample(last, sampling, (start + n_valid)[None])
     experts = None if out.expert_ids is None else out.expert_ids[0]
     first_experts = None if experts is None else experts[n_valid - 1][None]
-    return PrefillOutput(out.cache, first, first_experts, experts)
+    return PrefillOutput(out.cache, first, first_experts, experts, last)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def copy_slot(cache, src, dst):
+    """Copy slot src's rows of every cache array into slot dst (samples of one prompt share its prefill)."""
+    return jax.tree.map(lambda a: a.at[dst].set(a[src]), cache)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
