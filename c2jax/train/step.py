@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from c2jax.models.layers import loss_chunk_tokens
 from c2jax.models.transformer import Transformer
@@ -75,6 +76,32 @@ def _all_finite(tree) -> jnp.ndarray:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+HOST_MEMORY = "pinned_host"
+
+
+def offload_shardings(shardings):
+    """The same shardings in host memory: for TrainState.opt_state, Adam moments kept off the accelerator
+    between steps (make_train_step moves them in for the update and back out; `c2jax plan --offload-optimizer`
+    plans it)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY) if isinstance(s, NamedSharding) else s, shardings)
+
+
+def _offloaded_optimizer(state_shardings) -> bool:
+    if state_shardings is None:
+        return False
+    kinds = {getattr(s, "memory_kind", None) for s in jax.tree.leaves(state_shardings.opt_state)}
+    return HOST_MEMORY in kinds
+
+
+def _to_memory(tree, shardings, kind: str):
+    """Move every leaf whose sharding lives in host memory to memory `kind` (inside jit: a transfer)."""
+    def one(x, s):
+        if getattr(s, "memory_kind", None) != HOST_MEMORY:
+            return x
+        return jax.device_put(x, s.with_memory_kind(kind))
+    return jax.tree.map(one, tree, shardings)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate: float = 0.0, *,
                     z_loss: float = 0.0, mtp_weight: float = 0.0, train_mtp: bool = False,
                     state_shardings=None, batch_sharding=None, donate: bool = False, mesh=None, rules=None):
@@ -127,7 +154,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
+    offloaded = _offloaded_optimizer(state_shardings)
+
     def train_step(state: TrainState, batch):
+        if offloaded:  # Adam moments live in host memory between steps: bring them in for the update
+            state = state._replace(opt_state=_to_memory(state.opt_state, state_shardings.opt_state, "device"))
         batch = as_batch(batch)
         micro = batch if batch["input_ids"].ndim == 3 else jax.tree.map(lambda x: x[None], batch)
         norm = normalisers(state.params, micro)
@@ -168,6 +199,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
         new = TrainState(state.step + 1, params, model_state, opt_state, state.rng)
         # a non-finite step is skipped: every array of the state keeps its old value
         kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        if offloaded:
+            kept = kept._replace(opt_state=_to_memory(kept.opt_state, state_shardings.opt_state, "pinned_host"))
         metrics["skipped"] = 1 - finite.astype(jnp.int32)
         return kept, metrics
 
