@@ -372,6 +372,7 @@ class PlanSource:
     model: ModelConfig
     mesh: MeshConfig
     shapes: tuple[tuple[str, int | None, int | None], ...]
+    offload_optimizer: bool = False  # a pretraining config's optimizer.offload
 
 
 def load_plan_source(source: str, overrides=()) -> PlanSource:
@@ -393,7 +394,7 @@ def load_plan_source(source: str, overrides=()) -> PlanSource:
         pcfg = load_pretrain_config(source, overrides)
         seq, batch = int(pcfg.data.get("seq_len", 0)) or None, int(pcfg.data.get("batch_size", 0)) or None
         shapes = tuple((f"phase {p.name}", p.seq_len or seq, p.batch_size or batch) for p in pcfg.phases)
-        return PlanSource(pcfg.model, pcfg.mesh, shapes)
+        return PlanSource(pcfg.model, pcfg.mesh, shapes, pcfg.optimizer.offload)
     if set(data) <= {f.name for f in dataclasses.fields(RunConfig)}:
         cfg = load_config(source, overrides)
         return PlanSource(cfg.model, cfg.mesh, (("", None, None),))
@@ -436,6 +437,8 @@ def run(args) -> int:
     import json
 
     src = load_plan_source(resolve_source(args), args.overrides)
+    if src.offload_optimizer:
+        args.offload_optimizer = True
     if args.fit:
         return run_fit(args, src)
     if args.mesh is not None:

@@ -36,6 +36,9 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     muon_beta: float = 0.95
+    # keep the optimizer state (Adam moments) in host memory between steps (c2jax.train.step.offload_shardings):
+    # 8 bytes per parameter off the accelerator, for a host <-> device copy of them every step
+    offload: bool = False
 
     def __post_init__(self):
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
@@ -46,7 +49,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    z_loss: float = 0.0  # weight of mean(logsumexp(router logits)^2)-style z-loss on the LM head
+    z_loss: float = 0.0  # weight of PaLM's z-loss, mean over tokens of logsumexp(LM-head logits)^2
     mtp_weight: float = 0.1  # weight of the MTP self-distillation KL
     router_bias_rate: float = 1e-3  # DeepSeek-V3's gamma; 0 disables the bias update
 
