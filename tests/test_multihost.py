@@ -54,7 +54,9 @@ def _write_config(tmp: Path, name: str) -> Path:
         mesh=dict(data=2, fsdp=-1),  # 2 x 4: rows over data x fsdp, so each process holds half of every batch
         data=dict(tokenizer="bytes", sources=[dict(name="text", kind="jsonl", path=str(tmp / "corpus.jsonl"),
                                                    heldout_fraction=0.1)]),
-        phases=[dict(name="main", steps=STEPS, seq_len=32, batch_size=8)],
+        # a second phase with gradient accumulation: [micro-batches, rows, seq] batches, rows on axis 1
+        phases=[dict(name="main", steps=4, seq_len=32, batch_size=8),
+                dict(name="accum", steps=STEPS - 4, seq_len=32, batch_size=8, grad_accum=2)],
         checkpoint=dict(every=2, keep_last=4), eval=dict(every=3, batches=1), export_hf=True,
         optimizer=dict(lr=3e-3, warmup_steps=2),
         distributed=dict(heartbeat_timeout_s=HEARTBEAT_S, initialization_timeout_s=60))
@@ -160,8 +162,8 @@ def _committed(run_dir: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The 1-process reference (in this process: conftest's 8 devices), then the 2-process run: started with
-    the SLURM recipe, process 1 killed (-9) once step 3 is logged after the step-2 checkpoint, and restarted
-    with the environment-variable recipe."""
+    the SLURM recipe, process 1 killed (-9) once step 3 is logged and the step-2 checkpoint committed, and
+    restarted with the environment-variable recipe."""
     tmp = tmp_path_factory.mktemp("multihost")
     _corpus(tmp / "corpus.jsonl")
     assert len(jax.devices()) == 8
@@ -178,7 +180,7 @@ def runs(tmp_path_factory):
     procs = _launch(config, "slurm", _free_port())
     try:
         while time.perf_counter() - t < PROC_TIMEOUT_S and all(p.poll() is None for p in procs):
-            if (run_dir / "metrics.jsonl").exists() and len(_rows(run_dir)) >= 3:
+            if (run_dir / "metrics.jsonl").exists() and len(_rows(run_dir)) >= 3 and _committed(run_dir):
                 break
             time.sleep(0.02)
         assert all(p.poll() is None for p in procs), _tail(_output(procs[0]))

@@ -244,7 +244,7 @@ class Trainer:
         try:
             return self.batches(self.cfg, phase, split, shard=shard), shard
         except TypeError as e:
-            if "shard" not in str(e):
+            if "unexpected keyword argument 'shard'" not in str(e):
                 raise
             raise ConfigError(f"batch source {self.batches!r} takes no `shard=` argument, which a run over "
                               f"{jax.process_count()} processes needs (see loop.BatchSource)") from e
