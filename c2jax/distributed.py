@@ -58,7 +58,7 @@ def initialize(cfg: DistributedConfig) -> bool:
                           "(config or JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     # cross-process collectives on CPU need an implementation; gloo is the default from jax 0.5 on, "none"
     # (collectives fail) before; GPUs and TPUs ignore the setting
-    if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+    if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs, initialization_timeout=cfg.initialization_timeout_s,
                                heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
