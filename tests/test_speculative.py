@@ -115,8 +115,8 @@ def _speculative_pairs(cfg, graphdef, state, prompt, params_row, n, k):
     one = SamplingParams(*(a[:1] for a in params_row))
     out, mtp, spec = prefill_slot_spec(cfg, graphdef, state, init_cache(cfg, 1, length),
                                        init_mtp_cache(cfg, 1, length), init_spec_state(cfg, 1), prefix,
-                                       jnp.int32(len(prompt) - 1), jnp.int32(0), jnp.int32(0), one,
-                                       jnp.int32(prompt[-1]), key_len=length)
+                                       jnp.asarray([len(prompt) - 1]), jnp.zeros(1, jnp.int32),
+                                       jnp.zeros(1, jnp.int32), one, jnp.asarray([prompt[-1]]), key_len=length)
     tile = lambda tree: jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), tree)  # noqa: E731
     slots = SlotState(jnp.full(n, prompt[-1], jnp.int32), jnp.full(n, len(prompt) - 1, jnp.int32),
                       jnp.ones(n, bool), jnp.full(n, 100, jnp.int32))

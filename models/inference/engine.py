@@ -92,6 +92,16 @@ class _Live:
     experts: list = field(default_factory=list)
 
 
+@dataclass
+class _Row:
+    """One prompt of a batched prefill."""
+    slot: int
+    tokens: list[int]  # what to run, written at positions start..
+    start: int
+    request: Request
+    next_token: int = -1  # >= 0: the token known to follow (re-prefill after a weight swap)
+
+
 def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
@@ -137,11 +147,10 @@ class InferenceEngine:
             self.set_prefix(self._prefix[0])
         if not recompute_cache:
             return
-        for slot, live in enumerate(self._slots):
-            if live is None:
-                continue
-            history = list(live.request.prompt_ids) + live.result.token_ids[:-1]
-            self._prefill(slot, history, 0, live.request, next_token=live.result.token_ids[-1])
+        rows = [_Row(slot, list(live.request.prompt_ids) + live.result.token_ids[:-1], 0, live.request,
+                     live.result.token_ids[-1]) for slot, live in enumerate(self._slots) if live is not None]
+        if rows:
+            self._prefill(rows)
 
     # prompt caching ---------------------------------------------------------------------------------
     def set_prefix(self, prefix_ids: Sequence[int]) -> None:
@@ -151,8 +160,8 @@ class InferenceEngine:
         row = init_cache(self.cfg, 1, self.config.max_len)
         mtp_row = init_mtp_cache(self.cfg, 1, self.config.max_len) if self.speculative else None
         spec_row = init_spec_state(self.cfg, 1) if self.speculative else None
-        out, mtp_row, _ = self._run_prefill(row, mtp_row, spec_row, 0, prefix, 0, Request(prefix, 1))
-        experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)[: len(prefix)]
+        out, mtp_row, _ = self._run_prefill(row, mtp_row, spec_row, [_Row(0, prefix, 0, Request(prefix, 1))])
+        experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)[0, : len(prefix)]
         self._prefix = (prefix, out.cache, mtp_row, experts)
 
     # requests ---------------------------------------------------------------------------------------
@@ -212,53 +221,75 @@ class InferenceEngine:
         kb = self.config.key_bucket
         return min(self.config.max_len, -(-needed // kb) * kb)
 
-    def _run_prefill(self, cache, mtp_cache, spec, slot: int, tokens: list[int], start: int, request: Request,
-                     next_token: int = -1):
-        """-> (PrefillOutput, mtp_cache, spec); the MTP parts are None unless speculative. next_token >= 0: the
-        token known to follow `tokens` (a re-prefill's pending token) instead of the sampled one."""
-        n = len(tokens)
-        bucket = _pow2_at_least(n, self.config.min_prompt_bucket)
-        padded = jnp.asarray([tokens + [0] * (bucket - n)], jnp.int32)
-        args = (jnp.int32(n), jnp.int32(slot), jnp.int32(start), self._sampling([request]))
-        key_len = self._key_len(start + bucket)
+    def _run_prefill(self, cache, mtp_cache, spec, rows: list[_Row]):
+        """Prefill `rows` in one call: b = a power of two >= len(rows) rows (padding rows write nothing), every
+        prompt padded to one power-of-two bucket. -> (PrefillOutput, mtp_cache, spec); the MTP parts are None
+        unless speculative."""
+        b = _pow2_at_least(len(rows), 1)
+        bucket = _pow2_at_least(max(len(r.tokens) for r in rows), self.config.min_prompt_bucket)
+        tokens = np.zeros((b, bucket), np.int32)
+        n_valid, start = np.ones(b, np.int32), np.zeros(b, np.int32)
+        slot = np.full(b, cache[0].latent.shape[0], np.int32)  # out of range: a padding row's writes drop
+        next_token = np.full(b, -1, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r.tokens)] = r.tokens
+            n_valid[i], start[i], slot[i], next_token[i] = len(r.tokens), r.start, r.slot, r.next_token
+        requests = [r.request for r in rows] + [None] * (b - len(rows))
+        args = (jnp.asarray(n_valid), jnp.asarray(slot), jnp.asarray(start), self._sampling(requests))
+        key_len = self._key_len(int(start.max()) + bucket)
         if self.speculative:
-            return prefill_slot_spec(self.cfg, self.graphdef, self.state, cache, mtp_cache, spec, padded, *args,
-                                     jnp.int32(next_token), key_len=key_len)
-        return prefill_slot(self.cfg, self.graphdef, self.state, cache, padded, *args, key_len=key_len), None, None
+            return prefill_slot_spec(self.cfg, self.graphdef, self.state, cache, mtp_cache, spec,
+                                     jnp.asarray(tokens), *args, jnp.asarray(next_token), key_len=key_len)
+        out = prefill_slot(self.cfg, self.graphdef, self.state, cache, jnp.asarray(tokens), *args, key_len=key_len)
+        return out, None, None
 
-    def _prefill(self, slot: int, prompt: list[int], start: int, request: Request, next_token: int = -1):
-        out, self.mtp_cache, self.spec = self._run_prefill(self.cache, self.mtp_cache, self.spec, slot,
-                                                           prompt[start:], start, request, next_token)
+    def _prefill(self, rows: list[_Row]):
+        out, self.mtp_cache, self.spec = self._run_prefill(self.cache, self.mtp_cache, self.spec, rows)
         self.cache = out.cache
+        self.prefill_stats["calls"] += 1
+        self.prefill_stats["tokens"] += sum(len(r.tokens) for r in rows)
         return out
 
-    def _admit(self, rid: int, request: Request, slot: int, fresh: dict) -> None:
-        """Prefill request's prompt into slot and record its first token. `fresh` maps the prompts prefilled
-        in this step to (slot, ...): an identical prompt (the G samples of a GRPO group) is copied from there
-        instead of prefilled again, and its first token sampled from the same last-position logits."""
-        prompt = [int(t) for t in request.prompt_ids]
-        if tuple(prompt) in fresh:
+    def _admit(self, admissions: list[tuple[int, Request, int]]) -> None:
+        """Prefill the admitted requests' prompts into their slots in one batched call and record their first
+        tokens. Requests whose prompt equals an earlier one in the batch (the G samples of a GRPO group) are
+        not prefilled: they copy that slot's rows and sample their first token from the same logits."""
+        rows, meta, forks, seen = [], [], [], set()
+        for rid, request, slot in admissions:
+            prompt = [int(t) for t in request.prompt_ids]
+            if tuple(prompt) in seen:
+                forks.append((rid, request, slot, prompt))
+                continue
+            seen.add(tuple(prompt))
+            start, prefix_experts = 0, None
+            if self._prefix is not None:
+                prefix, prefix_cache, prefix_mtp, prefix_experts = self._prefix
+                if len(prompt) > 1 and prompt[: len(prefix)] == prefix:
+                    start = min(len(prefix), len(prompt) - 1)  # at least one token left to produce logits
+                    if self.speculative:  # the prefix's last MTP entry needs the token after it: recompute it
+                        start -= 1
+                        self.mtp_cache = copy_mtp_row(self.mtp_cache, prefix_mtp, jnp.int32(slot))
+                    self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
+            rows.append(_Row(slot, prompt[start:], start, request))
+            meta.append((rid, request, slot, prompt, start, prefix_experts))
+        fresh = {}
+        if rows:
+            out = self._prefill(rows)
+            tokens, logprobs = np.asarray(out.first.tokens), np.asarray(out.first.logprobs)
+            raw = np.asarray(out.first.raw_logprobs)
+            all_prompt_experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)
+            first_experts = None if out.first_experts is None else np.asarray(out.first_experts)
+            for i, (rid, request, slot, prompt, start, prefix_experts) in enumerate(meta):
+                prompt_experts = experts = None
+                if all_prompt_experts is not None:
+                    own = all_prompt_experts[i, : len(prompt) - start]
+                    prompt_experts = own if start == 0 else np.concatenate([prefix_experts[:start], own])
+                    experts = first_experts[i]
+                fresh[tuple(prompt)] = (slot, out.last_logits[i: i + 1], prompt_experts, experts)
+                self._start(rid, request, slot, prompt, prompt_experts, int(tokens[i]), float(logprobs[i]),
+                            float(raw[i]), experts)
+        for rid, request, slot, prompt in forks:
             self._fork(rid, request, slot, prompt, *fresh[tuple(prompt)])
-            return
-        start, prefix_experts = 0, None
-        if self._prefix is not None:
-            prefix, prefix_cache, prefix_mtp, prefix_experts = self._prefix
-            if len(prompt) > 1 and prompt[: len(prefix)] == prefix:
-                start = min(len(prefix), len(prompt) - 1)  # at least one token left to produce logits
-                if self.speculative:  # the prefix's last MTP entry needs the token after it: recompute it
-                    start -= 1
-                    self.mtp_cache = copy_mtp_row(self.mtp_cache, prefix_mtp, jnp.int32(slot))
-                self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
-        out = self._prefill(slot, prompt, start, request)
-        self.prefill_stats["calls"] += 1
-        self.prefill_stats["tokens"] += len(prompt) - start
-        prompt_experts = None
-        if out.prompt_experts is not None:
-            own = np.asarray(out.prompt_experts)[: len(prompt) - start]
-            prompt_experts = own if start == 0 else np.concatenate([prefix_experts[:start], own])
-        experts = None if out.first_experts is None else np.asarray(out.first_experts)[0]
-        fresh[tuple(prompt)] = (slot, out.last_logits, prompt_experts, experts)
-        self._start(rid, request, slot, prompt, prompt_experts, out.first, experts)
 
     def _fork(self, rid: int, request: Request, slot: int, prompt: list[int], src: int, last_logits,
               prompt_experts, first_experts) -> None:
@@ -269,15 +300,15 @@ class InferenceEngine:
                                                        self.spec, jnp.int32(src), jnp.int32(slot),
                                                        first.tokens[0], jnp.int32(len(prompt) - 1))
         self.prefill_stats["forks"] += 1
-        self._start(rid, request, slot, prompt, prompt_experts, first, first_experts)
+        self._start(rid, request, slot, prompt, prompt_experts, int(first.tokens[0]), float(first.logprobs[0]),
+                    float(first.raw_logprobs[0]), first_experts)
 
-    def _start(self, rid: int, request: Request, slot: int, prompt: list[int], prompt_experts, first,
-               first_experts) -> None:
+    def _start(self, rid: int, request: Request, slot: int, prompt: list[int], prompt_experts, token: int,
+               logprob: float, raw: float, first_experts) -> None:
         live = _Live(request, GenerationResult([], [], [], None, "length", prompt_expert_ids=prompt_experts))
         self._slots[slot] = live
         self._lengths[slot], self._remaining[slot] = len(prompt), request.max_new_tokens
-        self._record(slot, rid, int(first.tokens[0]), float(first.logprobs[0]), float(first.raw_logprobs[0]),
-                     first_experts)
+        self._record(slot, rid, token, logprob, raw, first_experts)
 
     def _record(self, slot: int, rid: int, token: int, logprob: float, raw: float, experts) -> None:
         """Append one sampled token to slot's sequence; finish it if a stop condition holds."""
@@ -312,12 +343,14 @@ class InferenceEngine:
 
     def step(self) -> None:
         """Admit queued requests into free slots, then run one decode chunk over all live slots."""
-        fresh: dict = {}  # prompts prefilled in this step: their slots' rows hold exactly the prompt
+        admissions = []
         for slot in range(self.config.slots):
             if self._slots[slot] is None and self._queue:
                 rid, request = self._queue.popleft()
                 self._live_ids[slot] = rid
-                self._admit(rid, request, slot, fresh)
+                admissions.append((rid, request, slot))
+        if admissions:
+            self._admit(admissions)
         live = [s is not None for s in self._slots]
         if not any(live):
             return

@@ -44,12 +44,11 @@ from c2jax.models.config import ModelConfig
 from c2jax.models.inference.forward import LayerCache, extend, mtp_step, mtp_write, prepare
 from c2jax.models.inference.sampling import (
     SamplingParams,
-    sample,
     sampling_logits,
     token_keys,
     token_logprobs,
 )
-from c2jax.models.inference.steps import ChunkOutput, PrefillOutput, SlotState
+from c2jax.models.inference.steps import ChunkOutput, SlotState, prefill_rows
 
 _DRAFT, _ACCEPT = 1, 2  # fold_in tags of a position's key
 
@@ -208,25 +207,22 @@ def spec_decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mt
 def prefill_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, mtp_cache, spec: SpecState, tokens,
                       n_valid, slot, start, sampling: SamplingParams, next_token, *, key_len: int,
                       absorbed: bool = False):
-    """steps.prefill_slot that also fills the slot's MTP module-0 cache for the prompt positions and makes the
-    last prompt position the next draft's anchor. The token after it is the sampled first token, or
-    `next_token` when >= 0 (re-prefilling a live sequence after a weight swap: its pending token).
-    Returns (PrefillOutput, mtp_cache, spec)."""
+    """steps.prefill_slot (b rows) that also fills each row's MTP module-0 cache entries for its prompt
+    positions and makes its last prompt position the next draft's anchor. The token after it is the sampled
+    first token, or next_token[i] when >= 0 (re-prefilling a live sequence after a weight swap: its pending
+    token). Returns (PrefillOutput, mtp_cache, spec)."""
     prepared = prepare(graphdef, state)
-    out = extend(cfg, graphdef, state, cache, tokens, slot[None], start[None], key_len=key_len,
-                 absorbed=absorbed, prepared=prepared)
-    last = out.logits[:, n_valid - 1]
-    first = sample(last, sampling, (start + n_valid)[None])
-    following = jnp.where(next_token >= 0, next_token, first.tokens[0]).astype(jnp.int32)
-    hidden = prepared.model.norm(out.hidden)  # [1, T, d]
+    pre, out = prefill_rows(cfg, graphdef, state, cache, tokens, n_valid, slot, start, sampling, key_len=key_len,
+                            absorbed=absorbed, prepared=prepared)
+    following = jnp.where(next_token >= 0, next_token, pre.first.tokens).astype(jnp.int32)  # [b]
+    hidden = prepared.model.norm(out.hidden)  # [b, T, d]
     t = tokens.shape[1]
     nxt = jnp.roll(tokens, -1, axis=1)
-    nxt = jnp.where(jnp.arange(t)[None] == n_valid - 1, following, nxt)  # the token after each position
-    mtp_cache = (mtp_write(cfg, prepared, 0, mtp_cache[0], hidden, nxt, slot[None], start[None]), *mtp_cache[1:])
-    spec = SpecState(spec.hidden.at[slot].set(hidden[0, n_valid - 1].astype(spec.hidden.dtype)))
-    experts = None if out.expert_ids is None else out.expert_ids[0]
-    first_experts = None if experts is None else experts[n_valid - 1][None]
-    return PrefillOutput(out.cache, first, first_experts, experts, last), mtp_cache, spec
+    nxt = jnp.where(jnp.arange(t)[None] == (n_valid - 1)[:, None], following[:, None], nxt)  # token after each
+    mtp_cache = (mtp_write(cfg, prepared, 0, mtp_cache[0], hidden, nxt, slot, start), *mtp_cache[1:])
+    anchor = jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1)[:, 0]
+    spec = SpecState(spec.hidden.at[slot].set(anchor.astype(spec.hidden.dtype), mode="drop"))
+    return pre, mtp_cache, spec
 
 
 @partial(jax.jit, static_argnames=("cfg", "graphdef"), donate_argnames=("mtp_cache", "spec"))

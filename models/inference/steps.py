@@ -21,22 +21,33 @@ from c2jax.models.inference.sampling import SamplingParams, sample
 
 class PrefillOutput(NamedTuple):
     cache: tuple[LayerCache, ...]
-    first: object  # sampling.Sample for the first generated token, rows [1]
-    first_experts: jnp.ndarray | None  # [1, L_moe, k] experts at the last prompt position
-    prompt_experts: jnp.ndarray | None  # [T_bucket, L_moe, k] experts of every prompt token
-    last_logits: jnp.ndarray | None = None  # [1, V] logits at the last prompt position (forks sample from them)
+    first: object  # sampling.Sample for the first generated token of each row, [b]
+    first_experts: jnp.ndarray | None  # [b, L_moe, k] experts at each row's last prompt position
+    prompt_experts: jnp.ndarray | None  # [b, T_bucket, L_moe, k] experts of every prompt token
+    last_logits: jnp.ndarray | None = None  # [b, V] logits at each row's last prompt position (forks use them)
+
+
+def prefill_rows(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, tokens, n_valid, slot, start,
+                 sampling: SamplingParams, *, key_len: int, absorbed: bool, prepared=None):
+    """Prefill b prompts at once: row i's tokens [b, T_bucket] (first n_valid[i] real) go to positions
+    start[i].. of slot[i]; samples each row's next token. A slot index >= the cache's slot count is a padding
+    row: its writes are dropped. Returns (PrefillOutput, StepOutput of the forward)."""
+    out = extend(cfg, graphdef, state, cache, tokens, slot, start, key_len=key_len, absorbed=absorbed,
+                 prepared=prepared)
+    idx = n_valid - 1
+    last = jnp.take_along_axis(out.logits, idx[:, None, None], axis=1)[:, 0]
+    first = sample(last, sampling, start + n_valid)
+    experts = out.expert_ids
+    first_experts = None if experts is None else jnp.take_along_axis(experts, idx[:, None, None, None], axis=1)[:, 0]
+    return PrefillOutput(out.cache, first, first_experts, experts, last), out
 
 
 @partial(jax.jit, static_argnames=("cfg", "graphdef", "key_len", "absorbed"), donate_argnames=("cache",))
 def prefill_slot(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, tokens, n_valid, slot, start,
                  sampling: SamplingParams, *, key_len: int, absorbed: bool = False) -> PrefillOutput:
-    """tokens [1, T_bucket] (first n_valid real) go to positions start.. of `slot`; samples the next token."""
-    out = extend(cfg, graphdef, state, cache, tokens, slot[None], start[None], key_len=key_len, absorbed=absorbed)
-    last = out.logits[:, n_valid - 1]
-    first = sample(last, sampling, (start + n_valid)[None])
-    experts = None if out.expert_ids is None else out.expert_ids[0]
-    first_experts = None if experts is None else experts[n_valid - 1][None]
-    return PrefillOutput(out.cache, first, first_experts, experts, last)
+    """prefill_rows, jitted: tokens [b, T_bucket], n_valid / slot / start [b], sampling rows [b]."""
+    return prefill_rows(cfg, graphdef, state, cache, tokens, n_valid, slot, start, sampling, key_len=key_len,
+                        absorbed=absorbed)[0]
 
 
 @partial(jax.jit, donate_argnames=("cache",))
