@@ -221,3 +221,22 @@ def test_group_prompt_prefilled_once(model, speculative_k):
         np.testing.assert_array_equal(result.prompt_expert_ids, want.prompt_expert_ids)
     assert alone.prefill_stats == {"calls": 2, "tokens": 2 * len(prompt), "forks": 0}
     assert got[0].token_ids != got[1].token_ids  # different seeds: different samples
+
+
+def test_batched_prefill_equals_one_at_a_time(model):
+    """Prompts admitted in the same step (different lengths, one padded bucket) run in one prefill call and
+    give what each gets from its own prefill: first token, logprobs, prompt experts, continuation."""
+    graphdef, state = model
+    rng = np.random.default_rng(7)
+    reqs = [Request(rng.integers(0, CFG.vocab_size, n).tolist(), 5, temperature=1.0, seed=n) for n in (3, 19)]
+    batched = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    got = batched.generate(reqs)
+    assert batched.prefill_stats["calls"] == 1 and batched.prefill_stats["tokens"] == 22
+    single = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    for req, result in zip(reqs, got, strict=True):
+        want = single.generate([req])[0]
+        assert result.token_ids == want.token_ids
+        np.testing.assert_allclose(result.logprobs, want.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(result.prompt_expert_ids, want.prompt_expert_ids)
+        assert result.prompt_expert_ids.shape[0] == len(req.prompt_ids)
+    assert single.prefill_stats["calls"] == 2
