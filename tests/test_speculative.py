@@ -26,7 +26,12 @@ from c2jax.models.config import preset
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, init_cache
 from c2jax.models.inference.forward import init_mtp_cache, mtp_write, prepare
 from c2jax.models.inference.sampling import SamplingParams, sampling_logits
-from c2jax.models.inference.speculative import init_spec_state, prefill_slot_spec, spec_decode_chunk
+from c2jax.models.inference.speculative import (
+    init_spec_state,
+    prefill_slot_spec,
+    spec_decode_chunk,
+    speculative_accept,
+)
 from c2jax.models.inference.steps import SlotState
 from c2jax.models.transformer import forward, init
 
@@ -211,3 +216,31 @@ def test_weight_swap_drafts_with_new_mtp_weights_without_recompiling(model, reco
     while engine.pop_result(rid) is None:
         engine.step()
     assert spec_decode_chunk._cache_size() == compiles
+
+
+def test_rejection_rule_emits_target_distribution_at_every_row():
+    """speculative_accept alone, on fixed target rows p_1..p_4 and draft rows q_1..q_3 (vocab 8, k = 3), with
+    200,000 independent rounds: the token at row j, among the rounds that emit it (all j drafts before it kept),
+    is distributed as p_j: row 0 (kept draft or residual), rows 1-2, and row 3 (bonus only). Criterion per
+    row: chi-square p-value > 1e-4 against p_j, and < 1e-6 against q_j (returning drafts unchanged fails)."""
+    vocab, k, n = 8, 3, 200_000
+    rng = np.random.default_rng(0)
+    p_logits = jnp.asarray(rng.normal(size=(k + 1, vocab)) * 1.5, jnp.float32)
+    q_logits = jnp.asarray(rng.normal(size=(k, vocab)) * 1.5, jnp.float32)
+    keys = jax.random.split(jax.random.key(123), k)
+    drafts = jnp.stack([jax.random.categorical(keys[j], q_logits[j], shape=(n,)) for j in range(k)], 1)
+    params = SamplingParams(jnp.ones(n), jnp.ones(n), jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.uint32))
+    verdict = jax.jit(speculative_accept)(jnp.broadcast_to(p_logits, (n, k + 1, vocab)),
+                                          jnp.broadcast_to(q_logits, (n, k, vocab)), drafts, params,
+                                          jnp.full(n, 10, jnp.int32))
+    tokens, accepted = np.asarray(verdict.tokens), np.asarray(verdict.accepted)
+    p, q = np.asarray(jax.nn.softmax(p_logits)), np.asarray(jax.nn.softmax(q_logits))
+    for j in range(k + 1):
+        emitted = accepted >= j
+        assert emitted.sum() > 2000, (j, emitted.sum())
+        counts = np.bincount(tokens[emitted, j], minlength=vocab)
+        assert _chi_square_pvalue(counts, p[j]) > 1e-4, j
+        if j < k:
+            assert _chi_square_pvalue(counts, q[j]) < 1e-6, j
+    rate = accepted.mean() / k
+    assert 0.2 < rate < 0.9, rate
