@@ -240,3 +240,40 @@ def test_batched_prefill_equals_one_at_a_time(model):
         np.testing.assert_array_equal(result.prompt_expert_ids, want.prompt_expert_ids)
         assert result.prompt_expert_ids.shape[0] == len(req.prompt_ids)
     assert single.prefill_stats["calls"] == 2
+
+
+@pytest.mark.parametrize("speculative_k", [0, 3])
+def test_chunked_prefill_equals_one_shot(model, speculative_k):
+    """With a prefill budget of 4 tokens per step, a 19-token prompt is prefilled in 5 pieces while another
+    sequence keeps decoding; its cache rows, first token, prompt experts and greedy continuation equal a
+    one-shot prefill's, and the decoding sequence's tokens are unchanged."""
+    graphdef, state = model
+    rng = np.random.default_rng(11)
+    short, long = (rng.integers(0, CFG.vocab_size, n).tolist() for n in (4, 19))
+    reqs = [Request(short, 16, temperature=0.0), Request(long, 6, temperature=0.0)]
+    extra = dict(speculative_k=speculative_k, speculative_rounds=2)
+    oneshot = InferenceEngine(CFG, graphdef, state, config=EngineConfig(slots=2, max_len=64, chunk_steps=4, **extra))
+    want = oneshot.generate([reqs[0]]) + oneshot.generate([reqs[1]])
+    chunked = InferenceEngine(CFG, graphdef, state, config=EngineConfig(slots=2, max_len=64, chunk_steps=4,
+                                                                        prefill_budget=4, **extra))
+    first = chunked.submit(reqs[0])
+    chunked.step()  # the short prompt is prefilled and decodes
+    second = chunked.submit(reqs[1])
+    for _ in range(4):  # 4 of the long prompt's 5 pieces, between decode chunks of the short sequence
+        chunked.step()
+    assert chunked._prefilling and chunked._prefilling[0].progress == 16
+    chunked.step()
+    assert not chunked._prefilling
+    ref = InferenceEngine(CFG, graphdef, state, config=EngineConfig(slots=2, max_len=64, chunk_steps=4, **extra))
+    ref.submit(reqs[1])
+    ref.step()
+    for got_c, ref_c in zip(chunked.cache, ref.cache, strict=True):  # slot 1 vs slot 0: the long prompt's rows
+        np.testing.assert_allclose(got_c.latent[1, :19], ref_c.latent[0, :19], rtol=1e-5, atol=1e-6)
+    while chunked.has_work:
+        chunked.step()
+    got = [chunked.pop_result(first), chunked.pop_result(second)]
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(g.prompt_expert_ids, w.prompt_expert_ids)
+    assert chunked.prefill_stats["calls"] == 6 and chunked.prefill_stats["tokens"] == 4 + 19

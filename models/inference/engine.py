@@ -52,12 +52,15 @@ class EngineConfig:
     # speculate only while at most this many slots are live; above it a chunk is plain decoding (the verify
     # pass costs ~k+1 tokens of compute per slot, which stops paying once decoding is compute-bound)
     speculative_max_batch: int = 4
+    # prompt tokens prefilled per engine step, across requests (chunked prefill: a long prompt is prefilled in
+    # pieces between decode chunks, so it does not stall the running sequences); 0 = every prompt whole
+    prefill_budget: int = 0
 
     def __post_init__(self):
         for name in ("slots", "max_len", "chunk_steps", "key_bucket", "min_prompt_bucket", "speculative_rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("speculative_k", "speculative_max_batch"):
+        for name in ("speculative_k", "speculative_max_batch", "prefill_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -93,6 +96,19 @@ class _Live:
 
 
 @dataclass
+class _Prefill:
+    """An admitted request whose prompt is being prefilled (chunked when prefill_budget > 0)."""
+    rid: int
+    request: Request
+    slot: int
+    prompt: list[int]
+    start: int  # first position this engine prefills (after a cached prefix)
+    progress: int  # prompt tokens in the cache
+    experts: list = field(default_factory=list)  # prompt expert ids so far, one array per piece
+    forks: list = field(default_factory=list)  # (rid, request, slot) of identical prompts admitted meanwhile
+
+
+@dataclass
 class _Row:
     """One prompt of a batched prefill."""
     slot: int
@@ -122,6 +138,7 @@ class InferenceEngine:
         self._done: dict[int, GenerationResult] = {}
         self._ids = itertools.count()
         self._prefix: tuple[list[int], object, object, np.ndarray | None] | None = None
+        self._prefilling: list[_Prefill] = []  # admitted requests whose prompt is not fully in the cache yet
         self.speculative = config.speculative_k > 0
         if self.speculative and cfg.num_nextn_predict_layers == 0:
             raise ValueError("EngineConfig.speculative_k > 0 needs MTP modules (cfg.num_nextn_predict_layers = 0)")
@@ -147,6 +164,9 @@ class InferenceEngine:
             self.set_prefix(self._prefix[0])
         if not recompute_cache:
             return
+        for entry in self._prefilling:  # partly prefilled prompts start over under the new weights
+            entry.start = entry.progress = 0
+            entry.experts = []
         rows = [_Row(slot, list(live.request.prompt_ids) + live.result.token_ids[:-1], 0, live.request,
                      live.result.token_ids[-1]) for slot, live in enumerate(self._slots) if live is not None]
         if rows:
@@ -192,7 +212,7 @@ class InferenceEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._queue) or any(s is not None for s in self._slots)
+        return bool(self._queue) or any(i is not None for i in self._live_ids)
 
     def pop_result(self, rid: int) -> GenerationResult | None:
         return self._done.pop(rid, None)
@@ -250,46 +270,68 @@ class InferenceEngine:
         self.prefill_stats["tokens"] += sum(len(r.tokens) for r in rows)
         return out
 
-    def _admit(self, admissions: list[tuple[int, Request, int]]) -> None:
-        """Prefill the admitted requests' prompts into their slots in one batched call and record their first
-        tokens. Requests whose prompt equals an earlier one in the batch (the G samples of a GRPO group) are
-        not prefilled: they copy that slot's rows and sample their first token from the same logits."""
-        rows, meta, forks, seen = [], [], [], set()
-        for rid, request, slot in admissions:
-            prompt = [int(t) for t in request.prompt_ids]
-            if tuple(prompt) in seen:
-                forks.append((rid, request, slot, prompt))
+    def _admit(self, rid: int, request: Request, slot: int) -> None:
+        """Reserve slot for the request: a prefill entry (its prompt is prefilled by `_prefill_step`), or, when
+        an entry with the identical prompt is still being prefilled (the G samples of a GRPO group), a fork of
+        it: no prefill of its own, its slot copies that entry's rows when they are complete."""
+        prompt = [int(t) for t in request.prompt_ids]
+        for entry in self._prefilling:
+            if entry.prompt == prompt:
+                entry.forks.append((rid, request, slot))
+                return
+        start, prefix_experts = 0, None
+        if self._prefix is not None:
+            prefix, prefix_cache, prefix_mtp, prefix_experts = self._prefix
+            if len(prompt) > 1 and prompt[: len(prefix)] == prefix:
+                start = min(len(prefix), len(prompt) - 1)  # at least one token left to produce logits
+                if self.speculative:  # the prefix's last MTP entry needs the token after it: recompute it
+                    start -= 1
+                    self.mtp_cache = copy_mtp_row(self.mtp_cache, prefix_mtp, jnp.int32(slot))
+                self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
+        self._prefilling.append(_Prefill(rid, request, slot, prompt, start, start,
+                                         [] if prefix_experts is None or start == 0 else [prefix_experts[:start]]))
+        self._lengths[slot], self._pending[slot] = start, prompt[start]
+
+    def _prefill_step(self) -> None:
+        """One batched prefill call over the entries being prefilled, in admission order, at most
+        `prefill_budget` prompt tokens in all (0: every prompt whole). An entry whose prompt completes samples
+        its first token and becomes live, and its forks copy it."""
+        budget = self.config.prefill_budget or sum(len(e.prompt) for e in self._prefilling)
+        rows, taken = [], []
+        for entry in self._prefilling:
+            if budget <= 0:
+                break
+            take = min(len(entry.prompt) - entry.progress, budget)
+            budget -= take
+            end = entry.progress + take
+            rows.append(_Row(entry.slot, entry.prompt[entry.progress:end], entry.progress, entry.request,
+                             -1 if end == len(entry.prompt) else entry.prompt[end]))
+            taken.append((entry, take))
+        if not rows:
+            return
+        out = self._prefill(rows)
+        tokens, logprobs = np.asarray(out.first.tokens), np.asarray(out.first.logprobs)
+        raw = np.asarray(out.first.raw_logprobs)
+        all_prompt_experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)
+        first_experts = None if out.first_experts is None else np.asarray(out.first_experts)
+        for i, (entry, take) in enumerate(taken):
+            if all_prompt_experts is not None:
+                entry.experts.append(all_prompt_experts[i, :take])
+            entry.progress += take
+            if entry.progress < len(entry.prompt):
+                # decode chunks run idle slots too: they write this slot's caches from `lengths` on with the
+                # pending token, i.e. the prompt's own next token (and the next piece overwrites them)
+                self._lengths[entry.slot] = entry.progress
+                self._pending[entry.slot] = entry.prompt[entry.progress]
                 continue
-            seen.add(tuple(prompt))
-            start, prefix_experts = 0, None
-            if self._prefix is not None:
-                prefix, prefix_cache, prefix_mtp, prefix_experts = self._prefix
-                if len(prompt) > 1 and prompt[: len(prefix)] == prefix:
-                    start = min(len(prefix), len(prompt) - 1)  # at least one token left to produce logits
-                    if self.speculative:  # the prefix's last MTP entry needs the token after it: recompute it
-                        start -= 1
-                        self.mtp_cache = copy_mtp_row(self.mtp_cache, prefix_mtp, jnp.int32(slot))
-                    self.cache = copy_row(self.cache, prefix_cache, jnp.int32(slot))
-            rows.append(_Row(slot, prompt[start:], start, request))
-            meta.append((rid, request, slot, prompt, start, prefix_experts))
-        fresh = {}
-        if rows:
-            out = self._prefill(rows)
-            tokens, logprobs = np.asarray(out.first.tokens), np.asarray(out.first.logprobs)
-            raw = np.asarray(out.first.raw_logprobs)
-            all_prompt_experts = None if out.prompt_experts is None else np.asarray(out.prompt_experts)
-            first_experts = None if out.first_experts is None else np.asarray(out.first_experts)
-            for i, (rid, request, slot, prompt, start, prefix_experts) in enumerate(meta):
-                prompt_experts = experts = None
-                if all_prompt_experts is not None:
-                    own = all_prompt_experts[i, : len(prompt) - start]
-                    prompt_experts = own if start == 0 else np.concatenate([prefix_experts[:start], own])
-                    experts = first_experts[i]
-                fresh[tuple(prompt)] = (slot, out.last_logits[i: i + 1], prompt_experts, experts)
-                self._start(rid, request, slot, prompt, prompt_experts, int(tokens[i]), float(logprobs[i]),
-                            float(raw[i]), experts)
-        for rid, request, slot, prompt in forks:
-            self._fork(rid, request, slot, prompt, *fresh[tuple(prompt)])
+            self._prefilling.remove(entry)
+            prompt_experts = np.concatenate(entry.experts) if entry.experts else None
+            experts = None if first_experts is None else first_experts[i]
+            self._start(entry.rid, entry.request, entry.slot, entry.prompt, prompt_experts, int(tokens[i]),
+                        float(logprobs[i]), float(raw[i]), experts)
+            for rid, request, slot in entry.forks:
+                self._fork(rid, request, slot, entry.prompt, entry.slot, out.last_logits[i: i + 1], prompt_experts,
+                           experts)
 
     def _fork(self, rid: int, request: Request, slot: int, prompt: list[int], src: int, last_logits,
               prompt_experts, first_experts) -> None:
@@ -343,14 +385,13 @@ class InferenceEngine:
 
     def step(self) -> None:
         """Admit queued requests into free slots, then run one decode chunk over all live slots."""
-        admissions = []
         for slot in range(self.config.slots):
-            if self._slots[slot] is None and self._queue:
+            if self._live_ids[slot] is None and self._queue:
                 rid, request = self._queue.popleft()
                 self._live_ids[slot] = rid
-                admissions.append((rid, request, slot))
-        if admissions:
-            self._admit(admissions)
+                self._admit(rid, request, slot)
+        if self._prefilling:
+            self._prefill_step()
         live = [s is not None for s in self._slots]
         if not any(live):
             return
