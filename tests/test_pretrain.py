@@ -4,6 +4,7 @@ entropy of its data, and one run on a 2 x 2 mesh (HF init, Muon, the c2jax.data 
 reset, codebase NLL against transformers, HF export)."""
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -417,3 +418,31 @@ def test_nan_steps_in_a_row_roll_back_to_the_last_checkpoint(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, (trainer.state.params, trainer.state.model_state,
                                                  trainer.state.opt_state, trainer.state.step),
                  (state.params, state.model_state, state.opt_state, state.step))
+
+
+def test_optimizer_offload_trains_the_same_and_resumes(tmp_path):
+    """optimizer.offload: Adam moments in host memory between steps, through an MTP init, a grad-accumulating
+    phase and a checkpoint resume: the same losses as moments on the device, and they stay in host memory."""
+    def run(name, steps, offload):
+        cfg = run_config(tmp_path, name, steps=steps, optimizer=dict(lr=3e-3, warmup_steps=2, offload=offload))
+        trainer = Trainer(cfg, batches=markov_batches, eval_sources=None, tensorboard=False)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+        return trainer
+
+    on_device = run("device", 6, False)
+    offloaded = run("host", 6, True)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(offloaded.state.opt_state)} == {"pinned_host"}
+    assert _losses(tmp_path / "host") == pytest.approx(_losses(tmp_path / "device"), rel=1e-6)
+    # resume: drop the final checkpoint, so the run restores step 4 (moments back into host memory) and redoes 5-6
+    checkpoints = tmp_path / "host" / "checkpoints"
+    assert offloaded.ckpt.steps() == [4, 6]
+    shutil.rmtree(checkpoints / "6")
+    resumed = run("host", 6, True)
+    assert int(resumed.state.step) == 6
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(resumed.state.opt_state)} == {"pinned_host"}
+    assert _losses(tmp_path / "host") == pytest.approx(_losses(tmp_path / "device"), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(on_device.state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

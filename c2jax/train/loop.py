@@ -36,7 +36,7 @@ from c2jax.train.config import PhaseConfig, PretrainConfig, save_resolved
 from c2jax.train.evaluate import codebase_nll, eval_loss, make_eval_step, read_codebase
 from c2jax.train.metrics import MetricsWriter, device_peak_flops, measure_peak_flops
 from c2jax.train.optim import make_optimizer
-from c2jax.train.step import TrainState, init_train_state, make_train_step
+from c2jax.train.step import TrainState, init_train_state, make_train_step, offload_shardings
 
 # (cfg, phase, split) -> iterator of batches; in a multi-process run also `shard=` (c2jax.distributed.DataShard):
 # then it yields only this process's `shard.local_rows` rows of each global batch, from data shard
@@ -183,7 +183,7 @@ class Trainer:
         self.graphdef, state = init_train_state(model, self.tx, seed=cfg.seed)
         self.has_mtp = model.mtp is not None
         self.mesh = self.state_shardings = None
-        if _mesh_devices(cfg) > 1 or jax.process_count() > 1:
+        if _mesh_devices(cfg) > 1 or jax.process_count() > 1 or cfg.optimizer.offload:
             state = self._shard(state)
         self.state = state
         self.meta: dict[str, Any] = {"phase": 0, "data_state": None, "mtp_initialized": False,
@@ -218,6 +218,8 @@ class Trainer:
         params = shard_state(state.params, self.mesh, rules)
         model_state = shard_state(state.model_state, self.mesh, rules)
         opt_state = place_on_mesh(jax.jit(self.tx.init)(params), self.mesh)
+        if self.cfg.optimizer.offload:  # Adam moments in host memory between steps (make_train_step)
+            opt_state = jax.device_put(opt_state, offload_shardings(jax.tree.map(lambda x: x.sharding, opt_state)))
         replicated = NamedSharding(self.mesh, PartitionSpec())
         state = TrainState(jax.device_put(state.step, replicated), params, model_state, opt_state,
                            jax.device_put(state.rng, replicated))
