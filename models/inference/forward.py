@@ -24,6 +24,8 @@ from flax import nnx
 
 from c2jax.models.config import ModelConfig
 from c2jax.models.layers import dense
+from c2jax.models.logical import active_mesh_axes
+from c2jax.models.moe import route
 from c2jax.models.rope import apply_rope, rope_tables
 
 _NEG_INF = -1e30  # same finite mask value as c2jax.models.attention
@@ -110,6 +112,29 @@ def _attend(cfg: ModelConfig, attn, x, cos, sin, cache: LayerCache, slot_idx, po
     return jnp.einsum("bthv,hvd->btd", out, attn.o_proj[...].astype(x.dtype)), cache
 
 
+def moe_ffn(cfg: ModelConfig, mlp, x):
+    """The MoE layer `mlp` on x [b, T, d] -> (y, Routing): the trainer's router, experts and shared experts.
+    With few tokens (b * T * top_k < experts, i.e. decode), the selected experts' weights are gathered and
+    only they are read, instead of the trainer's dispatch over every expert's weights: decode is
+    weight-bandwidth bound. Same math (float reassociation aside); the trainer's dispatch otherwise, and
+    whenever experts are sharded or quantized."""
+    b, t, d = x.shape
+    n = b * t
+    if (n * cfg.num_experts_per_tok >= cfg.n_routed_experts or cfg.moe_quant != "bf16"
+            or active_mesh_axes("experts") is not None):
+        return mlp(x)
+    flat = x.reshape(n, d)
+    routing = route(cfg, flat, mlp.gate[...], mlp.e_score_correction_bias[...])
+    gate_up = mlp.gate_up_proj[...][routing.expert_ids].astype(x.dtype)  # [n, k, d, 2f]
+    down = mlp.down_proj[...][routing.expert_ids].astype(x.dtype)  # [n, k, f, d]
+    gate, up = jnp.split(jnp.einsum("nd,nkdf->nkf", flat, gate_up), 2, axis=-1)
+    out = jnp.einsum("nkf,nkfd->nkd", jax.nn.silu(gate) * up, down)
+    y = jnp.einsum("nk,nkd->nd", routing.weights.astype(x.dtype), out).reshape(b, t, d)
+    if mlp.shared_experts is not None:
+        y = y + mlp.shared_experts(x)
+    return y, routing
+
+
 class StepOutput(NamedTuple):
     logits: jnp.ndarray  # [b, T, V] float32
     expert_ids: jnp.ndarray | None  # [b, T, L_moe, k] int32 experts chosen for each input token
@@ -181,7 +206,7 @@ def mtp_step(cfg: ModelConfig, prepared: Prepared, depth: int, cache: LayerCache
     attn_out, cache = _attend(cfg, block.self_attn, block.input_layernorm(x), cos, sin, cache, slot_idx,
                               positions, key_len, absorbed)
     h = x + attn_out
-    ffn, _ = block.mlp(block.post_attention_layernorm(h))
+    ffn, _ = moe_ffn(cfg, block.mlp, block.post_attention_layernorm(h))
     out = module.norm(h + ffn)
     logits = dense(out, model.head_weight(), preferred_element_type=jnp.float32)
     return out, logits, cache
@@ -211,7 +236,7 @@ def extend(cfg: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, cache: tu
         h = x + attn_out
         normed = module.post_attention_layernorm(h)
         if moe:
-            ffn, routing = module.mlp(normed)
+            ffn, routing = moe_ffn(cfg, module.mlp, normed)
             experts.append(routing.expert_ids.reshape(b, t, -1))
         else:
             ffn = module.mlp(normed)
