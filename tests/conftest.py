@@ -4,6 +4,8 @@ environment first: XLA reads XLA_FLAGS and JAX_PLATFORMS once, when the backend 
 import os
 from pathlib import Path
 
+import pytest
+
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"  # 8 fake CPU devices for sharding tests
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
@@ -37,3 +39,28 @@ _LONG_FIRST = ("test_multihost.py", "test_pretrain.py", "test_notebooks.py", "te
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture
+def loopback_server():
+    """A host listener on 127.0.0.1 that answers every connection with b"host-says-hi": its port. For the
+    network-policy tests of the sandboxes (reachable only from a sandbox that shares the host network)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"host-says-hi")
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()

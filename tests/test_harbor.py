@@ -514,26 +514,8 @@ def _network_task(tmp_path: Path, name: str, environment: str) -> Path:
 
 
 @pytest.fixture
-def loopback(monkeypatch):
-    import socket
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-
-    def serve():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    monkeypatch.setenv("C2JAX_TEST_NET_PORT", str(server.getsockname()[1]))
-    yield
-    server.close()
+def loopback(monkeypatch, loopback_server):
+    monkeypatch.setenv("C2JAX_TEST_NET_PORT", str(loopback_server))
 
 
 @pytest.mark.parametrize("environment,allow,reward,note", [

@@ -98,44 +98,20 @@ def test_local_sandbox_runs_diffs_and_times_out(repo):
             s.read_text("../outside")
 
 
-def _loopback_server():
-    """A host listener on 127.0.0.1 that answers every connection with b"host-says-hi"."""
-    import threading
-
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-
-    def serve():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            with conn:
-                conn.sendall(b"host-says-hi")
-
-    threading.Thread(target=serve, daemon=True).start()
-    return server, server.getsockname()[1]
-
-
 @needs_bwrap
-def test_network_option_shares_the_host_network(tmp_path):
+def test_network_option_shares_the_host_network(tmp_path, loopback_server):
     """network=True keeps every namespace but the network one: a host loopback listener answers, the
     host's resolv.conf is there (never ssl/private); the default sandbox and a fork keep their own."""
     (tmp_path / "f").write_text("x\n")
-    server, port = _loopback_server()
+    port = loopback_server
     probe = (f"python -c \"import socket; s = socket.create_connection(('127.0.0.1', {port}), timeout=3); "
              "print(s.recv(64).decode())\"; test -e /etc/resolv.conf && echo resolv; "
              "test -e /etc/ssl/private || echo no-private; id -u")
-    try:
-        with BwrapSandbox(tmp_path) as off, BwrapSandbox(tmp_path, network=True) as on:
-            r_off, r_on = off.exec(probe), on.exec(probe)
-            with on.fork() as child:
-                r_fork = child.exec(probe)
-            assert (off.network, on.network) == (False, True)
-    finally:
-        server.close()
+    with BwrapSandbox(tmp_path) as off, BwrapSandbox(tmp_path, network=True) as on:
+        r_off, r_on = off.exec(probe), on.exec(probe)
+        with on.fork() as child:
+            r_fork = child.exec(probe)
+        assert (off.network, on.network) == (False, True)
     assert "host-says-hi" not in r_off.stdout and "ConnectionRefusedError" in r_off.stderr
     assert "resolv" not in r_off.stdout.split()
     for r in (r_on, r_fork):

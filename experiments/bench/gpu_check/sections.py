@@ -123,6 +123,23 @@ class Context:
         return value
 
 
+def _timed_steps(step, state, batch, repeats: int):
+    """Run `state, metrics = step(state, batch)` once (compile or warm-up) and `repeats` more times, each to
+    completion: (state, metrics, first call's seconds, the repeats' seconds)."""
+    import jax
+
+    t0 = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics["loss"])
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    return state, metrics, first_s, times
+
 def _jsonable(v):
     try:
         import numpy as np
@@ -822,14 +839,7 @@ def section_train_medium(ctx: Context) -> None:
             compile_s = time.perf_counter() - t0
             mem = compiled.memory_analysis()
             temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
-            state, metrics = compiled(state, data)
-            jax.block_until_ready(metrics["loss"])
-            times = []
-            for _ in range(ctx.size(3, 1)):
-                t0 = time.perf_counter()
-                state, metrics = compiled(state, data)
-                jax.block_until_ready(metrics["loss"])
-                times.append(time.perf_counter() - t0)
+            state, metrics, _, times = _timed_steps(compiled, state, data, ctx.size(3, 1))
             step_s = statistics.median(times)
             tokens = batch * seq
             fpt = training_flops_per_token(cfg, seq, include_mtp=False)
@@ -1047,16 +1057,7 @@ def section_rl_step(ctx: Context) -> None:
         graphdef, rl_state = init_rl_state(init(cfg, seed=0), tx, rl_cfg)
         step = make_rl_step(graphdef, tx, rl_cfg)
         batch = jax.tree.map(jnp.asarray, batch)
-        t0 = time.perf_counter()
-        rl_state, metrics = step(rl_state, batch)
-        jax.block_until_ready(metrics["loss"])
-        first_s = time.perf_counter() - t0
-        times = []
-        for _ in range(ctx.size(2, 1)):
-            t0 = time.perf_counter()
-            rl_state, metrics = step(rl_state, batch)
-            jax.block_until_ready(metrics["loss"])
-            times.append(time.perf_counter() - t0)
+        rl_state, metrics, first_s, times = _timed_steps(step, rl_state, batch, ctx.size(2, 1))
         m = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
         override = m.get("replay/override_fraction")
         finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
