@@ -9,7 +9,10 @@ documents of the same chain. For each batch size, temperature and k: an engine w
                 run per shape)
   acceptance    drafts kept / drafts proposed
   tokens/round  tokens emitted per verify pass (1 + kept drafts, the bonus included)
-  draft cost    one MTP step (module + head, T = 1) over one main-model decode step, same batch
+  round/step    one speculative round (k draft steps + a (k+1)-token verify + the rule + MTP cache upkeep) over
+                one plain decode step, both measured in a lax.scan of 8 (spec_decode_chunk, decode_chunk);
+                tokens/round over it is the speed-up the device work allows (the host loop aside)
+  draft step    (round at k - round at k = 0) / k over a plain step: one MTP step plus one more verify token
 Writes runs/bench/speculative.json; prints the machine's load (the numbers move with it).
 
   .venv/bin/python experiments/bench/speculative.py [--batches 1 4 8] [--ks 1 2 3] [--train-steps 300]
@@ -34,7 +37,7 @@ from flax import nnx  # noqa: E402
 from c2jax.machine import describe, finish, summary_line  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, init_cache  # noqa: E402
-from c2jax.models.inference.forward import extend, init_mtp_cache, mtp_step, prepare  # noqa: E402
+from c2jax.models.inference.forward import init_mtp_cache  # noqa: E402
 from c2jax.models.transformer import init  # noqa: E402
 from c2jax.train.step import init_train_state, make_train_step  # noqa: E402
 from c2jax.train.synthetic import MarkovSource  # noqa: E402
@@ -87,13 +90,14 @@ def chain_prompts(source: MarkovSource, batch: int, length: int, seed: int) -> l
     return prompts
 
 
-def run(graphdef, state, cfg, prompts, new_tokens, temperature, k, chunk_steps):
-    config = EngineConfig(slots=len(prompts), max_len=len(prompts[0]) + new_tokens + 4 * chunk_steps,
-                          chunk_steps=chunk_steps, speculative_k=k,
-                          speculative_rounds=max(1, chunk_steps // (k + 1)) if k else 4,
-                          speculative_max_batch=len(prompts))
-    reqs = [Request(p, new_tokens, temperature=temperature, seed=i) for i, p in enumerate(prompts)]
-    InferenceEngine(cfg, graphdef, state, config=config).generate(reqs)  # compile every shape
+def _engine_config(prompts, new_tokens, k, chunk_steps):
+    return EngineConfig(slots=len(prompts), max_len=len(prompts[0]) + new_tokens + 4 * chunk_steps,
+                        chunk_steps=chunk_steps, speculative_k=k,
+                        speculative_rounds=max(1, chunk_steps // (k + 1)) if k else 4,
+                        speculative_max_batch=len(prompts))
+
+
+def _generate(graphdef, state, cfg, config, reqs):
     engine = InferenceEngine(cfg, graphdef, state, config=config)
     ids = [engine.submit(r) for r in reqs]
     t0 = time.perf_counter()
@@ -108,31 +112,53 @@ def run(graphdef, state, cfg, prompts, new_tokens, temperature, k, chunk_steps):
             "tokens": [r.token_ids for r in results]}
 
 
-def draft_cost(graphdef, state, cfg, batch: int, length: int, reps: int = 20) -> dict:
-    """Seconds of one main-model decode step and of one MTP draft step (module + head) at this batch."""
-    prepared = prepare(graphdef, state)
-    key_len = length
-    tokens = jnp.ones((batch, 1), jnp.int32)
-    start = jnp.full(batch, length // 2, jnp.int32)
-    main = jax.jit(lambda s, c: extend(cfg, graphdef, s, c, tokens, None, start, key_len=key_len).logits)
-    hidden = jnp.ones((batch, 1, cfg.hidden_size), jnp.dtype(cfg.dtype))
+def compare(graphdef, state, cfg, prompts, new_tokens, temperature, k, chunk_steps, repeats):
+    """Plain and speculative generation of the same requests, alternated `repeats` times (the machine's load
+    drifts; alternating exposes both to it alike); the median run of each."""
+    reqs = [Request(p, new_tokens, temperature=temperature, seed=i) for i, p in enumerate(prompts)]
+    configs = {"plain": _engine_config(prompts, new_tokens, 0, chunk_steps),
+               "spec": _engine_config(prompts, new_tokens, k, chunk_steps)}
+    for config in configs.values():
+        _generate(graphdef, state, cfg, config, reqs)  # compile every shape
+    runs = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, config in configs.items():
+            runs[name].append(_generate(graphdef, state, cfg, config, reqs))
+    med = {name: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for name, rs in runs.items()}
+    return med["plain"], med["spec"]
 
-    def mtp(s, c):
-        return mtp_step(cfg, prepare(graphdef, s), 0, c[0], hidden, tokens, None, start, key_len=key_len)[1]
 
-    mtp = jax.jit(mtp)
-    del prepared
-    out = {}
-    for name, fn, cache in (("main_step_s", main, init_cache(cfg, batch, length)),
-                            ("draft_step_s", mtp, init_mtp_cache(cfg, batch, length))):
-        fn(state, cache).block_until_ready()
+def round_costs(graphdef, state, cfg, batch: int, ks, length: int, rounds: int = 8, reps: int = 5) -> dict:
+    """Milliseconds per round of spec_decode_chunk at each k (k = 0: a plain step plus the MTP cache upkeep)
+    and per plain decode step (steps.decode_chunk), all slots live, `rounds` rounds per call."""
+    from c2jax.models.inference.sampling import SamplingParams
+    from c2jax.models.inference.speculative import init_spec_state, spec_decode_chunk
+    from c2jax.models.inference.steps import SlotState, decode_chunk
+
+    sampling = SamplingParams(jnp.zeros(batch), jnp.ones(batch), jnp.zeros(batch, jnp.int32),
+                              jnp.zeros(batch, jnp.uint32))
+    stop = jnp.full((batch, 4), -1, jnp.int32)
+    key_len = -(-(length // 2 + rounds * (max(ks) + 1) + 1) // 64) * 64
+
+    def slots():
+        return SlotState(jnp.ones(batch, jnp.int32), jnp.full(batch, length // 2, jnp.int32),
+                         jnp.ones(batch, bool), jnp.full(batch, 10_000, jnp.int32))
+
+    def timed(fn):
+        jax.block_until_ready(fn())
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            fn(state, cache).block_until_ready()
+            jax.block_until_ready(fn())
             times.append(time.perf_counter() - t0)
-        out[name] = float(np.median(times))
-    out["draft_over_main"] = out["draft_step_s"] / out["main_step_s"]
+        return float(np.median(times)) / rounds * 1e3
+
+    out = {"plain_step_ms": timed(lambda: decode_chunk(cfg, graphdef, state, init_cache(cfg, batch, length),
+                                                       slots(), stop, sampling, steps=rounds, key_len=key_len))}
+    for k in (0, *ks):
+        out[f"round_k{k}_ms"] = timed(lambda k=k: spec_decode_chunk(
+            cfg, graphdef, state, init_cache(cfg, batch, length), init_mtp_cache(cfg, batch, length), slots(),
+            init_spec_state(cfg, batch), stop, sampling, rounds=rounds, k=k, key_len=key_len))
     return out
 
 
@@ -144,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--chunk-steps", type=int, default=8)
-    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--train-steps", type=int, default=150)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--branching", type=int, default=2)
     ap.add_argument("--cache", default="runs/bench/speculative_small_mtp.npz", help="trained weights ('' = none)")
     ap.add_argument("--out", default="runs/bench/speculative.json")
@@ -157,12 +184,17 @@ def main(argv=None) -> int:
     rows = []
     for batch in args.batches:
         prompts = chain_prompts(source, batch, args.prompt, seed=batch)
-        cost = draft_cost(graphdef, state, cfg, batch, args.prompt + args.new)
+        costs = round_costs(graphdef, state, cfg, batch, args.ks, args.prompt + args.new + 64)
+        print(f"batch {batch}: {costs}", flush=True)
         for temperature in args.temperatures:
-            plain = run(graphdef, state, cfg, prompts, args.new, temperature, 0, args.chunk_steps)
             for k in args.ks:
-                spec = run(graphdef, state, cfg, prompts, args.new, temperature, k, args.chunk_steps)
+                plain, spec = compare(graphdef, state, cfg, prompts, args.new, temperature, k, args.chunk_steps,
+                                      args.repeats)
                 same = spec["tokens"] == plain["tokens"] if temperature == 0 else None
+                cost = {"plain_step_ms": costs["plain_step_ms"], "round_ms": costs[f"round_k{k}_ms"],
+                        "round_over_plain_step": costs[f"round_k{k}_ms"] / costs["plain_step_ms"],
+                        "draft_step_over_plain_step": (costs[f"round_k{k}_ms"] - costs["round_k0_ms"])
+                        / k / costs["plain_step_ms"]}
                 row = {"batch": batch, "temperature": temperature, "k": k,
                        "plain_tokens_per_s": plain["tokens_per_s"],
                        "spec_tokens_per_s": spec["tokens_per_s"],
@@ -173,13 +205,15 @@ def main(argv=None) -> int:
                 print(row, flush=True)
     pays = [r["batch"] for r in rows if r["speedup"] > 1.0]
     print(f"\nsmall preset, fp32, {jax.devices()[0].platform}, MTP trained {args.train_steps} steps "
-          f"(mtp_agree {train_metrics.get('mtp_agree', float('nan')):.3f}), prompt {args.prompt}, new {args.new}")
+          f"(train mtp_acceptance {train_metrics.get('mtp_acceptance', float('nan')):.3f}), "
+          f"prompt {args.prompt}, new {args.new}")
     print(f"{'batch':>5} {'T':>4} {'k':>2} | {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} | "
-          f"{'accept':>6} {'tok/round':>9} | {'draft/main':>10}")
+          f"{'accept':>6} {'tok/round':>9} | {'round/step':>10} {'tok/round / (round/step)':>24}")
     for r in rows:
         print(f"{r['batch']:>5} {r['temperature']:>4.1f} {r['k']:>2} | {r['plain_tokens_per_s']:>11.1f} "
               f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x | {r['acceptance']:>6.2f} "
-              f"{r['tokens_per_round']:>9.2f} | {r['draft_over_main']:>10.2f}")
+              f"{r['tokens_per_round']:>9.2f} | {r['round_over_plain_step']:>10.2f} "
+              f"{r['tokens_per_round'] / r['round_over_plain_step']:>24.2f}")
     print(f"largest batch where some k paid: {max(pays) if pays else None}")
     machine = finish(machine)
     print(f"machine: {summary_line(machine)}")

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
-from c2jax.models.inference.forward import init_cache, init_mtp_cache
+from c2jax.models.inference.forward import init_cache, init_mtp_cache, unstack
 from c2jax.models.inference.sampling import SamplingParams, sample
 from c2jax.models.inference.speculative import (
     copy_mtp_row,
@@ -127,6 +127,7 @@ class InferenceEngine:
                  config: EngineConfig = EngineConfig(), version: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None):
         self.cfg, self.graphdef, self.state, self.version = cfg, graphdef, state, version
+        self._defs, self._weights = unstack(graphdef, state)  # per-layer weights, sliced once per version
         self.config, self.detokenize = config, detokenize
         self.cache = init_cache(cfg, config.slots, config.max_len)
         b = config.slots
@@ -160,6 +161,7 @@ class InferenceEngine:
         weights would sample from the same prefix; False keeps the old-weight cache (cheaper, slightly stale,
         as in PipelineRL's in-flight updates). A cached prompt prefix is recomputed either way."""
         self.state, self.version = state, version
+        self._defs, self._weights = unstack(self.graphdef, state)
         if self._prefix is not None:
             self.set_prefix(self._prefix[0])
         if not recompute_cache:
@@ -258,9 +260,9 @@ class InferenceEngine:
         args = (jnp.asarray(n_valid), jnp.asarray(slot), jnp.asarray(start), self._sampling(requests))
         key_len = self._key_len(int(start.max()) + bucket)
         if self.speculative:
-            return prefill_slot_spec(self.cfg, self.graphdef, self.state, cache, mtp_cache, spec,
+            return prefill_slot_spec(self.cfg, self._defs, self._weights, cache, mtp_cache, spec,
                                      jnp.asarray(tokens), *args, jnp.asarray(next_token), key_len=key_len)
-        out = prefill_slot(self.cfg, self.graphdef, self.state, cache, jnp.asarray(tokens), *args, key_len=key_len)
+        out = prefill_slot(self.cfg, self._defs, self._weights, cache, jnp.asarray(tokens), *args, key_len=key_len)
         return out, None, None
 
     def _prefill(self, rows: list[_Row]):
@@ -338,7 +340,7 @@ class InferenceEngine:
         self.cache = copy_slot(self.cache, jnp.int32(src), jnp.int32(slot))
         first = _sample(last_logits, self._sampling([request]), jnp.asarray([len(prompt)], jnp.int32))
         if self.speculative:
-            self.mtp_cache, self.spec = fork_slot_spec(self.cfg, self.graphdef, self.state, self.mtp_cache,
+            self.mtp_cache, self.spec = fork_slot_spec(self.cfg, self._defs, self._weights, self.mtp_cache,
                                                        self.spec, jnp.int32(src), jnp.int32(slot),
                                                        first.tokens[0], jnp.int32(len(prompt) - 1))
         self.prefill_stats["forks"] += 1
@@ -409,7 +411,7 @@ class InferenceEngine:
             return
         key_len = self._key_len(int(self._lengths[live].max()) + steps)
         self.cache, new_state, out = decode_chunk(
-            self.cfg, self.graphdef, self.state, self.cache, state, jnp.asarray(stop_ids),
+            self.cfg, self._defs, self._weights, self.cache, state, jnp.asarray(stop_ids),
             self._sampling(requests), steps=steps, key_len=key_len, absorbed=self.config.absorbed)
         self._lengths = np.array(new_state.lengths)
         self._record_chunk(out.tokens[..., None], out.logprobs[..., None], out.raw_logprobs[..., None],
@@ -423,7 +425,7 @@ class InferenceEngine:
         rounds = cfg.speculative_rounds if k else cfg.chunk_steps
         key_len = self._key_len(int(self._lengths[np.asarray(state.active)].max()) + rounds * (k + 1) + 1)
         self.cache, self.mtp_cache, new_state, self.spec, out = spec_decode_chunk(
-            self.cfg, self.graphdef, self.state, self.cache, self.mtp_cache, state, self.spec,
+            self.cfg, self._defs, self._weights, self.cache, self.mtp_cache, state, self.spec,
             jnp.asarray(stop_ids), self._sampling(requests), rounds=rounds, k=k, key_len=key_len,
             absorbed=cfg.absorbed)
         self._lengths = np.array(new_state.lengths)
