@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 from c2jax.machine import describe, finish, summary_line  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, init_cache  # noqa: E402
-from c2jax.models.inference.forward import init_mtp_cache  # noqa: E402
+from c2jax.models.inference.forward import init_mtp_cache, unstack  # noqa: E402
 from c2jax.models.transformer import init  # noqa: E402
 from c2jax.train.step import init_train_state, make_train_step  # noqa: E402
 from c2jax.train.synthetic import MarkovSource  # noqa: E402
@@ -135,6 +135,7 @@ def round_costs(graphdef, state, cfg, batch: int, ks, length: int, rounds: int =
     from c2jax.models.inference.speculative import init_spec_state, spec_decode_chunk
     from c2jax.models.inference.steps import SlotState, decode_chunk
 
+    graphdef, state = unstack(graphdef, state)  # as the engine runs them
     sampling = SamplingParams(jnp.zeros(batch), jnp.ones(batch), jnp.zeros(batch, jnp.int32),
                               jnp.zeros(batch, jnp.uint32))
     stop = jnp.full((batch, 4), -1, jnp.int32)
