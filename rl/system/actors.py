@@ -20,6 +20,7 @@ from c2jax.rl.system.backends import make_learner, make_policy
 from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.envs import EnvironmentHost, byte_tokenizer, run_ladder_episode, run_target_group
 from c2jax.rl.system.groups import Group
+from c2jax.rl.system.packet_store import PacketPublisher
 from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder
 
 
@@ -33,6 +34,8 @@ class Learner:
         self.core = make_learner(cfg, Path(run_dir))
         ws = cfg.weight_sync
         self.encoder = DeltaEncoder(ws.full_every, ws.compression, ws.level)
+        # every packet also goes to shared storage (written on the encode thread, off the step's path)
+        self.publisher = PacketPublisher(ws.publish_dir, ws.keep_full) if ws.publish_dir else None
         self.busy_s = 0.0
         self._encoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")  # in version order
         self._packets: dict[int, Future] = {}
@@ -51,6 +54,8 @@ class Learner:
     def _encode(self, weights, version, force_full=False):
         packet = self.encoder.encode(weights, version, force_full=force_full)
         packet.stats["created"] = time.time()
+        if self.publisher is not None:
+            self.publisher.publish(packet)  # a failed write raises: packet(version) reports it
         self._last_stats = {**{f"sync/{k}": v for k, v in packet.stats.items() if k != "created"},
                             "sync/stats_version": float(version)}
         return packet

@@ -65,6 +65,18 @@ class WeightSyncConfig:
     full_every: int = 25  # a full packet every N steps resets the delta chain
     compression: Literal["zlib", "lzma", "none"] = "zlib"
     level: int = 1
+    # also publish every packet to shared storage for samplers outside the Ray cluster
+    # (c2jax.rl.system.packet_store): a directory path, file:///path, or an fsspec URL (memory://, s3://, ...);
+    # "" = Ray object store only
+    publish_dir: str = ""
+    # pruning: the store keeps every packet from the keep_full-th newest full packet on
+    keep_full: int = 2
+
+    def __post_init__(self):
+        if self.full_every <= 0:
+            raise ConfigError(f"weight_sync.full_every must be positive, got {self.full_every}")
+        if self.keep_full < 1:
+            raise ConfigError(f"weight_sync.keep_full must be >= 1, got {self.keep_full}")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,25 @@ class WeightPacket:
         return sum(len(blob) for _, _, blob in self.leaves.values())
 
 
+def dtype_tag(dt: np.dtype) -> str:
+    """How a packet names a dtype: NumPy's `str` ('<f4'), or the name of an ml_dtypes type ('bfloat16'),
+    whose `str` is an anonymous void ('<V2') that would decode as raw bytes."""
+    dt = np.dtype(dt)
+    return dt.name if dt.kind == "V" and dt.names is None and not dt.name.startswith("void") else dt.str
+
+
+def dtype_from_tag(tag: str) -> np.dtype:
+    try:
+        return np.dtype(tag)
+    except TypeError:
+        import ml_dtypes  # noqa: F401  (registers bfloat16, float8_*, ... with NumPy)
+
+        try:
+            return np.dtype(tag)
+        except TypeError:
+            raise WeightSyncError(f"unknown dtype {tag!r} in weight packet") from None
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     return a.view(_UINT[a.dtype.itemsize])
@@ -88,7 +107,7 @@ class DeltaEncoder:
                 payload = np.bitwise_xor(bits, prev)
                 same += int(np.count_nonzero(payload == 0))
             total += bits.size
-            leaves[name] = (value.dtype.str, tuple(value.shape), compress(payload.tobytes(), self.level))
+            leaves[name] = (dtype_tag(value.dtype), tuple(value.shape), compress(payload.tobytes(), self.level))
         packet = WeightPacket(version, "full" if full else "delta", version if full else self._prev_version,
                               self.compression, leaves)
         raw = sum(b.nbytes for b in bits_now.values())
@@ -114,21 +133,30 @@ class DeltaDecoder:
         if packet.kind == "delta" and packet.base_version != self.version:
             raise WeightSyncError(f"delta packet v{packet.version} applies to v{packet.base_version}, but the "
                                   f"receiver holds v{self.version}; re-sync from the last full packet")
+        if packet.compression not in _COMPRESS:
+            raise WeightSyncError(f"packet v{packet.version}: unknown compression {packet.compression!r}")
         decompress = _COMPRESS[packet.compression][1]
-        new_bits = {}
+        new_bits, new_dtypes = {}, {}
         for name, (dtype, shape, blob) in packet.leaves.items():
-            dt = np.dtype(dtype)
-            raw = np.frombuffer(decompress(blob), dtype=_UINT[dt.itemsize]).reshape(shape)
+            dt = dtype_from_tag(dtype)
+            raw = np.frombuffer(decompress(blob), dtype=_UINT[dt.itemsize])
+            if raw.size != int(np.prod(shape, dtype=np.int64)):
+                raise WeightSyncError(f"packet v{packet.version} leaf {name}: {raw.size} words for shape {shape}")
+            raw = raw.reshape(shape)
             if packet.kind == "full":
                 new_bits[name] = raw.copy()
             else:
                 if name not in self._bits:
                     raise WeightSyncError(f"delta packet v{packet.version} has leaf {name} the receiver lacks")
+                if self._bits[name].shape != raw.shape or self._dtypes[name] != dt:
+                    raise WeightSyncError(f"delta packet v{packet.version} leaf {name}: {shape} {dt} does not "
+                                          f"match the receiver's {self._bits[name].shape} {self._dtypes[name]}")
                 new_bits[name] = np.bitwise_xor(self._bits[name], raw)
-            self._dtypes[name] = dt
+            new_dtypes[name] = dt
         if packet.kind == "delta" and set(new_bits) != set(self._bits):
             raise WeightSyncError(f"delta packet v{packet.version} leaves differ from the receiver's")
-        self._bits, self.version = new_bits, packet.version
+        # committed only now: a packet that fails to decode leaves the receiver's weights as they were
+        self._bits, self._dtypes, self.version = new_bits, new_dtypes, packet.version
         return True
 
     def apply_chain(self, packets) -> int:

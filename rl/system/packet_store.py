@@ -1,0 +1,393 @@
+"""Weight packets in shared storage: the learner publishes every packet (full and delta) to a directory or an
+fsspec URL, and a sampler with no route to the learner follows the chain from there (Composer 2 sec. 5: each
+inference cluster rebuilds the weights from the delta chain in shared storage).
+
+Layout under the store's root:
+
+    manifest.json                          the chain: one entry per packet, oldest first (the commit point)
+    packets/v0000000012-delta-<sha12>.c2wp  one file per packet (format below)
+    .tmp-<uuid>                            an in-progress write; never listed, removed on the next publish
+
+Writes are atomic: a packet is written to a temporary name, made durable and renamed (local: fsync +
+os.replace; fsspec: one put to a temporary key, then mv), and only then is it listed in a new manifest,
+itself written the same way. A reader takes only packets the manifest lists, so it never sees a partial
+packet; a crash at any point leaves at most an unlisted temporary or packet file, which the next publish
+removes.
+
+A manifest entry has `version`, `kind` ("full" | "delta"), `base_version`, `bytes`, `sha256` (of the
+whole file), `file` and `created`. The manifest also has `epoch`, bumped when a restarted learner publishes
+a full packet at or below the newest listed version (versions after a rewind are different weights), and
+`latest`. Pruning keeps every packet from the `keep_full`-th newest full packet on.
+
+Packet file: b"C2WP1\\n", an 8-byte little-endian header length, a JSON header (version, kind,
+base_version, compression, stats, and per leaf name/dtype/shape/offset/length), then the leaf blobs.
+
+`PacketFollower` (the sampler side) starts from the newest full packet, applies the deltas after it in
+order, checks each file's size and sha256 against the manifest, and on a missing, corrupt or out-of-chain
+packet keeps the last good weights and waits for the next full packet, recording what it skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import struct
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from c2jax.rl.system.weight_sync import DeltaDecoder, WeightPacket, WeightSyncError
+
+MAGIC = b"C2WP1\n"
+MANIFEST = "manifest.json"
+PACKETS = "packets"
+TMP_PREFIX = ".tmp-"
+FORMAT = 1
+
+
+class WeightStoreError(RuntimeError):
+    """The shared weight store is unusable: unreadable manifest, a publish that breaks the chain, a bad URL."""
+
+
+class PacketFormatError(WeightStoreError):
+    """A packet file is truncated or malformed."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packet <-> bytes
+
+
+def packet_to_bytes(packet: WeightPacket) -> bytes:
+    leaves, offset = [], 0
+    for name, (dtype, shape, blob) in packet.leaves.items():
+        leaves.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "length": len(blob)})
+        offset += len(blob)
+    header = json.dumps({"format": FORMAT, "version": packet.version, "kind": packet.kind,
+                         "base_version": packet.base_version, "compression": packet.compression,
+                         "stats": {k: float(v) for k, v in packet.stats.items()}, "leaves": leaves},
+                        sort_keys=True).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header,
+                     *(blob for _, _, blob in packet.leaves.values())])
+
+
+def packet_from_bytes(data: bytes) -> WeightPacket:
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
+        raise PacketFormatError("not a weight packet (bad magic or truncated header)")
+    (hlen,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    if start + hlen > len(data):
+        raise PacketFormatError(f"truncated packet: header of {hlen} bytes, file of {len(data)}")
+    try:
+        header = json.loads(data[start:start + hlen])
+    except ValueError as e:
+        raise PacketFormatError(f"unreadable packet header: {e}") from None
+    body = memoryview(data)[start + hlen:]
+    leaves = {}
+    for leaf in header["leaves"]:
+        end = leaf["offset"] + leaf["length"]
+        if end > len(body):
+            raise PacketFormatError(f"truncated packet: leaf {leaf['name']} ends at {end}, body has {len(body)}")
+        leaves[leaf["name"]] = (leaf["dtype"], tuple(leaf["shape"]), bytes(body[leaf["offset"]:end]))
+    if sum(leaf["length"] for leaf in header["leaves"]) != len(body):
+        raise PacketFormatError("packet body length does not match its leaves")
+    return WeightPacket(header["version"], header["kind"], header["base_version"], header["compression"],
+                        leaves, dict(header.get("stats", {})))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# storage backends: a local directory (os) or any fsspec filesystem, same small interface
+
+
+class LocalDirStorage:
+    """A local (or network-mounted) directory; atomic writes by fsync + os.replace within the directory."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        final = self.root / rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        try:  # make the rename itself durable
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return (self.root / rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def delete(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)
+
+    def list(self, rel: str) -> list[str]:
+        d = self.root / rel
+        return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+class FsspecStorage:
+    """Any fsspec filesystem (`memory://`, `file://`, `s3://`, `gs://`, ...). A write is one put to a
+    temporary key and a mv to the final one: readers see the old object or the whole new one."""
+
+    def __init__(self, url: str):
+        try:
+            import fsspec
+        except ImportError:
+            raise WeightStoreError(f"weight store URL {url!r} needs the fsspec package (pip install fsspec); "
+                                   "a plain directory path needs nothing") from None
+        self.fs, root = fsspec.core.url_to_fs(url)
+        self.root = root.rstrip("/")
+        self.url = url
+
+    def _p(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        final = self._p(rel)
+        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+        tmp = self._p(f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, final)
+        except BaseException:
+            try:
+                self.fs.rm_file(tmp)
+            except Exception:
+                pass
+            raise
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._p(rel))
+        except FileNotFoundError:
+            return None
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+    def list(self, rel: str) -> list[str]:
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._p(rel), detail=False))
+        except FileNotFoundError:
+            return []
+
+
+def open_storage(location: str | os.PathLike):
+    """A plain path (or `file:///abs/path`) -> LocalDirStorage; any other URL scheme -> FsspecStorage."""
+    loc = os.fspath(location)
+    if not loc:
+        raise WeightStoreError("empty weight store location")
+    if loc.startswith("file://"):
+        return LocalDirStorage(loc[len("file://"):])
+    if "://" in loc:
+        return FsspecStorage(loc)
+    return LocalDirStorage(loc)
+
+
+def _read_manifest(storage) -> dict | None:
+    data = storage.read(MANIFEST)
+    if data is None:
+        return None
+    try:
+        manifest = json.loads(data)
+        if manifest.get("format") != FORMAT or not isinstance(manifest.get("packets"), list):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except ValueError as e:
+        raise WeightStoreError(f"unreadable weight manifest at {storage.url}/{MANIFEST}: {e}") from None
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# learner side
+
+
+class PacketPublisher:
+    """Writes each packet, then the manifest listing it, then prunes packets older than the `keep_full`-th
+    newest full packet. One publisher per store (the learner); a restarted learner picks up the manifest."""
+
+    def __init__(self, location: str | os.PathLike, keep_full: int = 2):
+        if keep_full < 1:
+            raise ValueError(f"keep_full must be >= 1, got {keep_full}")
+        self.storage = open_storage(location)
+        self.keep_full = keep_full
+        self.manifest = _read_manifest(self.storage) or {"format": FORMAT, "epoch": 0, "latest": -1, "packets": []}
+        self._clean_unlisted()
+
+    def _clean_unlisted(self) -> None:
+        """Removes temporaries and packet files the manifest does not list (left by a crash mid-publish)."""
+        listed = {e["file"] for e in self.manifest["packets"]}
+        for name in self.storage.list(""):
+            if name.startswith(TMP_PREFIX):
+                self.storage.delete(name)
+        for name in self.storage.list(PACKETS):
+            if f"{PACKETS}/{name}" not in listed:
+                self.storage.delete(f"{PACKETS}/{name}")
+
+    def publish(self, packet: WeightPacket) -> dict:
+        """Writes `packet` and lists it; returns its manifest entry. A delta must extend the listed chain."""
+        m = self.manifest
+        entries = list(m["packets"])
+        epoch = m["epoch"]
+        if packet.kind not in ("full", "delta"):
+            raise WeightStoreError(f"packet v{packet.version} has kind {packet.kind!r}")
+        if packet.kind == "delta":
+            if not entries or entries[-1]["version"] != packet.base_version:
+                have = entries[-1]["version"] if entries else None
+                raise WeightStoreError(f"delta v{packet.version} applies to v{packet.base_version}, but the store's "
+                                       f"chain ends at {have}; publish a full packet first")
+        elif entries and packet.version <= entries[-1]["version"]:
+            # a restarted learner rewinds to its checkpoint: later versions are other weights now
+            entries = [e for e in entries if e["version"] < packet.version]
+            epoch += 1
+        data = packet_to_bytes(packet)
+        sha = hashlib.sha256(data).hexdigest()
+        rel = f"{PACKETS}/v{packet.version:010d}-{packet.kind}-{sha[:12]}.c2wp"
+        self.storage.write_atomic(rel, data)
+        entry = {"version": packet.version, "kind": packet.kind, "base_version": packet.base_version,
+                 "bytes": len(data), "sha256": sha, "file": rel, "created": time.time()}
+        entries.append(entry)
+        fulls = [i for i, e in enumerate(entries) if e["kind"] == "full"]
+        cut = fulls[-self.keep_full] if len(fulls) >= self.keep_full else 0
+        kept, dropped = entries[cut:], entries[:cut]
+        new = {"format": FORMAT, "epoch": epoch, "latest": packet.version, "packets": kept}
+        self.storage.write_atomic(MANIFEST, json.dumps(new, indent=1).encode())  # the commit point
+        gone = {e["file"] for e in m["packets"]} - {e["file"] for e in kept}
+        self.manifest = new
+        for rel_old in sorted(gone | {e["file"] for e in dropped}):
+            self.storage.delete(rel_old)
+        return entry
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sampler side
+
+
+@dataclass
+class FollowReport:
+    applied: list[int] = field(default_factory=list)  # versions applied by this poll, in order
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (version, why) passed over by this poll
+    version: int = -1  # the version held after the poll
+    waiting_for_full: bool = False  # the chain broke: nothing applies until the next full packet
+
+
+class PacketFollower:
+    """Follows a store's chain with nothing but its location. `poll()` reads the manifest once and applies
+    what it can; `weights` / `version` are the last good (bit-exact) weights. A gap or a corrupt packet
+    is never applied: the follower keeps its weights, waits for the next full packet, and reports the skips
+    (also kept in `skipped`, all polls together)."""
+
+    def __init__(self, location: str | os.PathLike):
+        self.storage = open_storage(location)
+        self.decoder = DeltaDecoder()
+        self.epoch: int | None = None
+        self.waiting_for_full = False
+        self.skipped: list[tuple[int, str]] = []
+        self._seen = -1  # newest listed version examined (applied or skipped) in this epoch
+
+    @property
+    def version(self) -> int:
+        return self.decoder.version
+
+    @property
+    def weights(self):
+        return self.decoder.weights
+
+    def _load(self, entry: dict) -> WeightPacket:
+        data = self.storage.read(entry["file"])
+        if data is None:
+            raise PacketFormatError(f"missing file {entry['file']}")
+        if len(data) != entry["bytes"]:
+            raise PacketFormatError(f"size {len(data)} != manifest's {entry['bytes']}")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise PacketFormatError("sha256 mismatch")
+        packet = packet_from_bytes(data)
+        if (packet.version, packet.kind, packet.base_version) != (entry["version"], entry["kind"],
+                                                                   entry["base_version"]):
+            raise PacketFormatError("header disagrees with the manifest entry")
+        return packet
+
+    def poll(self) -> FollowReport:
+        report = FollowReport()
+        manifest = _read_manifest(self.storage)
+        if manifest is None:
+            report.version, report.waiting_for_full = self.decoder.version, self.waiting_for_full
+            return report
+        if manifest["epoch"] != self.epoch:
+            if self.epoch is not None and self.decoder.version >= 0:
+                self.waiting_for_full = True  # the learner rewound: what we hold is not on the new chain
+            self.epoch, self._seen = manifest["epoch"], -1
+        pending = [e for e in sorted(manifest["packets"], key=lambda e: e["version"]) if e["version"] > self._seen]
+        fulls = [i for i, e in enumerate(pending) if e["kind"] == "full"]
+        if fulls:  # start from the newest full packet: the deltas before it are superseded
+            for e in pending[:fulls[-1]]:
+                if self.decoder.version >= 0 and (self.waiting_for_full or e["version"] > self.decoder.version):
+                    report.skipped.append((e["version"], "superseded by a newer full packet"))
+            pending = pending[fulls[-1]:]
+        for e in pending:
+            self._seen = max(self._seen, e["version"])
+            if e["kind"] == "delta":
+                if self.waiting_for_full or self.decoder.version < 0:
+                    report.skipped.append((e["version"], "waiting for a full packet"))
+                    continue
+                if e["base_version"] != self.decoder.version:
+                    report.skipped.append((e["version"], f"gap: applies to v{e['base_version']}, "
+                                                          f"holding v{self.decoder.version}"))
+                    self.waiting_for_full = True
+                    continue
+            try:
+                packet = self._load(e)
+                if e["kind"] == "full":
+                    decoder = DeltaDecoder()
+                    decoder.apply(packet)
+                    self.decoder = decoder
+                else:
+                    self.decoder.apply(packet)  # builds the new bits before committing: a failure changes nothing
+            except (PacketFormatError, WeightSyncError, ValueError, KeyError, OSError, zlib.error,
+                    lzma.LZMAError) as err:
+                report.skipped.append((e["version"], f"corrupt: {err}"))
+                self.waiting_for_full = True
+                continue
+            self.waiting_for_full = False
+            report.applied.append(e["version"])
+        self.skipped += report.skipped
+        report.version, report.waiting_for_full = self.decoder.version, self.waiting_for_full
+        return report
+
+    def wait_for(self, version: int, timeout_s: float = 60.0, interval_s: float = 0.05) -> FollowReport:
+        """Polls until the follower holds `version` or newer; raises TimeoutError with the skips if not."""
+        deadline = time.monotonic() + timeout_s
+        total = FollowReport()
+        while True:
+            r = self.poll()
+            total.applied += r.applied
+            total.skipped += r.skipped
+            total.version, total.waiting_for_full = r.version, r.waiting_for_full
+            if r.version >= version:
+                return total
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight follower at {self.storage.url}: holds v{r.version}, wanted v{version} "
+                                   f"after {timeout_s}s; skipped {total.skipped}")
+            time.sleep(interval_s)
