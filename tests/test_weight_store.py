@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import uuid
 
 import ml_dtypes
 import numpy as np
@@ -284,7 +285,7 @@ def test_learner_rewind_bumps_the_epoch_and_followers_resync(tmp_path):
 
 def test_fsspec_memory_store_round_trip():
     pytest.importorskip("fsspec")
-    url = "memory://c2jax-test-store"
+    url = f"memory://c2jax-test-store-{uuid.uuid4().hex}"  # the memory filesystem is process-global
     learner, enc = SyntheticLearner(7), DeltaEncoder(full_every=2)
     pub, fol = PacketPublisher(url, keep_full=1), PacketFollower(url)
     for v in range(5):
