@@ -283,6 +283,27 @@ def test_learner_rewind_bumps_the_epoch_and_followers_resync(tmp_path):
         pub2.publish(bad)
 
 
+def test_a_new_store_at_the_same_location_is_another_chain(tmp_path):
+    """Wiped and restarted from scratch: same versions and epoch, other weights. The follower must not
+    apply the new chain's delta v4 on its old v3 (bases match by number only)."""
+    old, enc = SyntheticLearner(10), DeltaEncoder(full_every=100)
+    pub, fol = PacketPublisher(tmp_path), PacketFollower(tmp_path)
+    for v in range(4):
+        pub.publish(enc.encode(old.step(), v))
+    assert fol.poll().version == 3
+    for f in os.listdir(tmp_path / "packets"):
+        os.remove(tmp_path / "packets" / f)
+    os.remove(tmp_path / MANIFEST)
+    new, enc2 = SyntheticLearner(11), DeltaEncoder(full_every=100)
+    pub2 = PacketPublisher(tmp_path)
+    for v in range(6):
+        w = new.step()
+        pub2.publish(enc2.encode(w, v))
+    assert json.loads((tmp_path / MANIFEST).read_text())["epoch"] == 0
+    r = fol.poll()
+    assert r.applied == [0, 1, 2, 3, 4, 5] and digest(fol.weights) == digest(w)
+
+
 def test_fsspec_memory_store_round_trip():
     pytest.importorskip("fsspec")
     url = f"memory://c2jax-test-store-{uuid.uuid4().hex}"  # the memory filesystem is process-global

@@ -15,9 +15,10 @@ packet; a crash at any point leaves at most an unlisted temporary or packet file
 removes.
 
 A manifest entry has `version`, `kind` ("full" | "delta"), `base_version`, `bytes`, `sha256` (of the
-whole file), `file` and `created`. The manifest also has `epoch`, bumped when a restarted learner publishes
-a full packet at or below the newest listed version (versions after a rewind are different weights), and
-`latest`. Pruning keeps every packet from the `keep_full`-th newest full packet on.
+whole file), `file` and `created`. The manifest also has `chain_id` (random, made with a new store),
+`epoch`, bumped when a restarted learner publishes a full packet at or below the newest listed version
+(versions after a rewind are different weights), and `latest`; a follower that sees either change resyncs
+from a full packet. Pruning keeps every packet from the `keep_full`-th newest full packet on.
 
 Packet file: b"C2WP1\\n", an 8-byte little-endian header length, a JSON header (version, kind,
 base_version, compression, stats, and per leaf name/dtype/shape/offset/length), then the leaf blobs.
@@ -213,7 +214,8 @@ def _read_manifest(storage) -> dict | None:
         return None
     try:
         manifest = json.loads(data)
-        if manifest.get("format") != FORMAT or not isinstance(manifest.get("packets"), list):
+        if (manifest.get("format") != FORMAT or not isinstance(manifest.get("packets"), list)
+                or "chain_id" not in manifest or "epoch" not in manifest):
             raise ValueError(f"format {manifest.get('format')!r}")
     except ValueError as e:
         raise WeightStoreError(f"unreadable weight manifest at {storage.url}/{MANIFEST}: {e}") from None
@@ -233,7 +235,8 @@ class PacketPublisher:
             raise ValueError(f"keep_full must be >= 1, got {keep_full}")
         self.storage = open_storage(location)
         self.keep_full = keep_full
-        self.manifest = _read_manifest(self.storage) or {"format": FORMAT, "epoch": 0, "latest": -1, "packets": []}
+        self.manifest = _read_manifest(self.storage) or {"format": FORMAT, "chain_id": uuid.uuid4().hex,
+                                                          "epoch": 0, "latest": -1, "packets": []}
         self._clean_unlisted()
 
     def _clean_unlisted(self) -> None:
@@ -272,7 +275,8 @@ class PacketPublisher:
         fulls = [i for i, e in enumerate(entries) if e["kind"] == "full"]
         cut = fulls[-self.keep_full] if len(fulls) >= self.keep_full else 0
         kept, dropped = entries[cut:], entries[:cut]
-        new = {"format": FORMAT, "epoch": epoch, "latest": packet.version, "packets": kept}
+        new = {"format": FORMAT, "chain_id": m["chain_id"], "epoch": epoch, "latest": packet.version,
+               "packets": kept}
         self.storage.write_atomic(MANIFEST, json.dumps(new, indent=1).encode())  # the commit point
         gone = {e["file"] for e in m["packets"]} - {e["file"] for e in kept}
         self.manifest = new
@@ -302,7 +306,7 @@ class PacketFollower:
     def __init__(self, location: str | os.PathLike):
         self.storage = open_storage(location)
         self.decoder = DeltaDecoder()
-        self.epoch: int | None = None
+        self.epoch: tuple[str, int] | None = None  # (chain_id, epoch) of the chain followed
         self.waiting_for_full = False
         self.skipped: list[tuple[int, str]] = []
         self._seen = -1  # newest listed version examined (applied or skipped) in this epoch
@@ -335,10 +339,12 @@ class PacketFollower:
         if manifest is None:
             report.version, report.waiting_for_full = self.decoder.version, self.waiting_for_full
             return report
-        if manifest["epoch"] != self.epoch:
+        epoch = (manifest["chain_id"], manifest["epoch"])
+        if epoch != self.epoch:
             if self.epoch is not None and self.decoder.version >= 0:
-                self.waiting_for_full = True  # the learner rewound: what we hold is not on the new chain
-            self.epoch, self._seen = manifest["epoch"], -1
+                # the learner rewound, or the store was started afresh: what we hold is not on this chain
+                self.waiting_for_full = True
+            self.epoch, self._seen = epoch, -1
         pending = [e for e in sorted(manifest["packets"], key=lambda e: e["version"]) if e["version"] > self._seen]
         fulls = [i for i, e in enumerate(pending) if e["kind"] == "full"]
         if fulls:  # start from the newest full packet: the deltas before it are superseded
