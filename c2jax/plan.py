@@ -194,8 +194,7 @@ def plan(model: ModelConfig, mesh: MeshConfig, seq_len: int, global_batch: int, 
     tokens = b_local * s_local
     kv_tokens = b_local * seq_len if cp > 1 else tokens
     d, ep = model.hidden_size, sizes["expert"]
-    num_dense = min(model.first_k_dense_replace, model.num_hidden_layers)
-    num_moe = model.num_hidden_layers - num_dense if model.n_routed_experts else 0
+    num_moe = max(model.num_hidden_layers - model.first_k_dense_replace, 0) if model.n_routed_experts else 0
     num_dense = model.num_hidden_layers - num_moe
     num_mtp = model.num_nextn_predict_layers
     dense_res = _layer_residuals(model, tokens, kv_tokens, False, ep, act)
