@@ -83,12 +83,50 @@ def test_answer_likelihood_scores_exactly_the_answer_span(tmp_path, rung):
         assert result is None
         return
     tasks = ladder(tmp_path / "expected", cfg.seed + 1000, cfg.eval_tasks, rung)
-    answers = [c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn]
+    answers = [c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
+               if c["name"] == "write_file"]
     escaped = [json.dumps(a)[1:-1] for a in answers]  # e.g. '417\\n': the newline is two bytes in the call
     assert result["tasks"] == 1
     assert result["answer_tokens"] == len(escaped[0])
     records = [json.loads(line) for line in (tmp_path / "eval" / "before" / "reference_completions.jsonl").open()]
-    assert result["format_tokens"] + result["answer_tokens"] == sum(len(r["completion"]) for r in records)
+    # lookup's first turn (read_file) holds no answer: only the turn that writes answer.txt is scored
+    (scored,) = [r for r in records if '"answer.txt"' in r["completion"]]
+    assert len(records) == (2 if rung == "lookup" else 1)
+    assert result["format_tokens"] + result["answer_tokens"] == len(scored["completion"])
     # a random-init byte model: about ln(264) nats a token, and the exact answer is very unlikely
     assert 3.0 < result["answer_nll_per_token"] < 8.0 and result["p_exact_answer"] < 1e-6
     assert len(result["answer_nll_by_position"]) == min(map(len, escaped))
+
+
+def test_lookup_transcripts_read_before_they_write(tmp_path):
+    """The `lookup` rung's oracle transcript is multi-turn: a read_file of settings.ini, then, with the file's
+    contents in the context as a tool result, the write_file of the looked-up value; graded by the hidden test."""
+    from experiments.demo.pipeline import DemoConfig, episode_config, ladder, sandbox_factory
+    from experiments.demo.transcripts import write_transcripts
+
+    cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "rung": "lookup", "context": 1024, "sandbox": "local"})
+    tasks = ladder(tmp_path / "tasks", 0, 3, "lookup")
+    stats = write_transcripts(tasks, tmp_path / "t.jsonl", episode_config(cfg), sandbox_factory(cfg), grade_first=3)
+    assert stats["oracle_resolved"] == stats["oracle_graded"] == 3 and stats["records"] == 6
+    records = [json.loads(line) for line in (tmp_path / "t.jsonl").open()]
+    for task, (read, write) in zip(tasks, zip(records[::2], records[1::2])):
+        assert read["task_id"] == write["task_id"] == task.id
+        assert '"name": "read_file"' in read["completion"] and '"settings.ini"' in read["completion"]
+        settings = (Path(task.repo_dir) / "settings.ini").read_text()
+        key = task.prompt("terse").split()[2]  # "value of KEY -> answer.txt"
+        value = next(line.split(" = ")[1] for line in settings.splitlines() if line.startswith(key + " "))
+        # the second turn sees the first call and the file's lines in a tool result, and writes the value
+        assert read["completion"] in write["prompt"] and f"{key} = {value}" in write["prompt"]
+        assert f'"path": "answer.txt", "content": "{value}\\n"' in write["completion"]
+
+
+def test_heldout_filter_compares_task_content_not_prompts(tmp_path):
+    """Lookup prompts name one of 16 keys, so train and held-out prompts coincide while their settings files
+    differ: only a task with the same prompt AND the same files is the same task."""
+    from experiments.demo.pipeline import ladder, task_content
+
+    train, held = ladder(tmp_path / "a", 0, 40, "lookup"), ladder(tmp_path / "b", 1000, 8, "lookup")
+    assert {t.prompt("terse") for t in train} & {t.prompt("terse") for t in held}  # prompts repeat
+    assert not {task_content(t) for t in train} & {task_content(t) for t in held}
+    again = ladder(tmp_path / "c", 1000, 8, "lookup")
+    assert [task_content(t) for t in again] == [task_content(t) for t in held]

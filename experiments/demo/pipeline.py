@@ -174,12 +174,20 @@ def yarn(cfg: DemoConfig):
                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
 
+# Turns of the scripted oracle on each rung (experiments/demo/transcripts.direct_oracle_turns): `echo` and `answer`
+# write answer.txt at once; `lookup` reads settings.ini, then writes; `micro_bug` writes its patch, applies it, submits.
+RUNG_TURNS = {"echo": 1, "answer": 1, "lookup": 2, "micro_bug": 3}
+
+
 def episode_config(cfg: DemoConfig):
     from c2jax.rl.harness import EpisodeConfig
 
-    # one turn: the `echo` and `answer` rungs are solved by one write_file call; the episode then ends and is graded
-    # one prompt for transcripts, SFT, RL and eval: short instructions and one line per tool
-    return EpisodeConfig(max_turns=1, max_model_tokens=cfg.max_new_tokens, max_new_tokens_per_turn=cfg.max_new_tokens,
+    # as many turns as the rung's oracle needs: the episode then ends and is graded; every turn gets
+    # max_new_tokens (one tool call is ~70-115 byte tokens). One prompt for transcripts, SFT, RL and eval: short
+    # instructions and one line per tool
+    turns = RUNG_TURNS[cfg.rung]
+    return EpisodeConfig(max_turns=turns, max_model_tokens=turns * cfg.max_new_tokens,
+                         max_new_tokens_per_turn=cfg.max_new_tokens,
                          max_context_tokens=cfg.context, wall_clock_s=600.0, temperature=cfg.temperature,
                          system_instructions=SYSTEM_INSTRUCTIONS, tool_schemas=TOOL_SCHEMAS)
 
@@ -228,9 +236,9 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     tok = byte_tokenizer()
     data_tokenizer(tok).save(str(tok_dir / "tokenizer.json"))
     held_out = ladder(out / "data" / "tasks" / "eval", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
-    held_prompts = {t.prompt("terse") for t in held_out}
+    held = {task_content(t) for t in held_out}
     train = ladder(out / "data" / "tasks" / "train", cfg.seed, cfg.sft_tasks, cfg.rung)
-    kept = [t for t in train if t.prompt("terse") not in held_prompts]
+    kept = [t for t in train if task_content(t) not in held]
     jsonl = out / "data" / "sft_tool_use.jsonl"
     stats = write_transcripts(kept, jsonl, episode_config(cfg), sandbox_factory(cfg), prompt_level="terse",
                               grade_first=min(len(kept), 4 if cfg.quick else 8), seed=cfg.seed)
@@ -239,7 +247,8 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     from c2jax.data.tokenizer import load_tokenizer
 
     first = json.loads(jsonl.read_text().splitlines()[0])
-    data_ids = load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["prompt"])
+    tok_enc = load_tokenizer(str(tok_dir / "tokenizer.json"))
+    data_ids = tok_enc.encode(first["prompt"])
     from c2jax.rl.harness import default_registry
     from c2jax.rl.harness.chat_format import build_system_prompt
 
@@ -256,13 +265,24 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
                  tool_schemas=ep.tool_schemas, completion_example=first["completion"],
                  completion_tokens=len(load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["completion"])) + 1,
                  jsonl=str(jsonl), tokenizer=str(tok_dir / "tokenizer.json"))
-    if stats["prompt_tokens"] + stats["completion_tokens"] + 1 > cfg.context:
-        raise ValueError(f"--context {cfg.context} is shorter than one transcript "
-                         f"({stats['prompt_tokens']} + {stats['completion_tokens']} tokens)")
+    longest = max(len(tok_enc.encode(r["prompt"] + r["completion"])) + 1
+                  for r in map(json.loads, jsonl.read_text().splitlines()))
+    stats["longest_record_tokens"] = longest
+    if longest + 1 > cfg.context:
+        raise ValueError(f"--context {cfg.context} is shorter than the longest transcript turn ({longest} tokens: "
+                         f"prompt, earlier turns and tool results, completion, <|im_end|>)")
     print(f"{stats['records']} SFT records from {stats['tasks']} oracle episodes (oracle resolved "
           f"{stats['oracle_resolved']}/{stats['oracle_graded']} graded); prompt {stats['prompt_tokens']} tokens, "
           f"completion e.g. {first['completion']!r}")
     return stats
+
+
+def task_content(task) -> tuple:
+    """What makes two ladder tasks the same task: the prompt and the files of the environment (the `lookup`
+    rung asks for one of 16 keys, so the prompt alone repeats across different settings files)."""
+    files = sorted((str(p.relative_to(task.repo_dir)), p.read_bytes()) for p in Path(task.repo_dir).rglob("*")
+                   if p.is_file()) if task.repo_dir else []
+    return task.prompt("terse"), tuple(files)
 
 
 def data_tokenizer(harness_tokenizer):

@@ -44,12 +44,15 @@ def added_files(patch: str) -> dict[str, str] | None:
 
 
 def direct_oracle_turns(task: Task) -> list[list[dict]]:
-    """The shortest correct tool use for the task: one turn writing the reference's new files directly
-    (`write_file`), or, for tasks that edit existing files, c2jax.rl.eval's patch-applying oracle."""
+    """The shortest correct tool use for the task: a turn reading the files the task names as needed
+    (`metadata["reads"]`: the `lookup` rung's settings.ini), then one turn writing the reference's new files
+    (`write_file`); for tasks that edit existing files, c2jax.rl.eval's patch-applying oracle."""
     files = added_files(task.solution_patch or "")
     if files is None:
         return oracle_turns(task)
-    return [[{"name": "write_file", "arguments": {"path": p, "content": c}} for p, c in sorted(files.items())]]
+    reads = [[{"name": "read_file", "arguments": {"path": p}} for p in task.metadata.get("reads", ())]]
+    writes = [[{"name": "write_file", "arguments": {"path": p, "content": c}} for p, c in sorted(files.items())]]
+    return [turn for turn in reads + writes if turn]
 
 
 def sft_records(messages: list[dict]) -> list[dict]:

@@ -68,7 +68,7 @@ def _lookup_task(rng, idx):
                "full": f"settings.ini holds `key = value` lines. Read it, find the key `{target}`, and write "
                        f"its integer value alone (plus a newline) to answer.txt in the repository root."}
     repo = {"settings.ini": config}
-    return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts), repo, \
+    return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts, reads=("settings.ini",)), repo, \
         {**repo, "answer.txt": f"{values[target]}\n"}, \
         {"tests/test_answer.py": _ANSWER_TEST.format(expected=str(values[target]))}
 
@@ -106,7 +106,7 @@ def _micro_bug_task(rng, idx):
                "full": f"`mathlib.core.{bug_name}` has a one-token bug. The test `{_FUNCS[buggy][1]}` should "
                        f"pass. Fix the function without changing the others."}
     repo = {"mathlib/__init__.py": "", "mathlib/core.py": broken}
-    task = _task(f"ladder-micro_bug-{idx:03d}", "micro_bug", "medium", prompts)
+    task = _task(f"ladder-micro_bug-{idx:03d}", "micro_bug", "medium", prompts, reads=("mathlib/core.py",))
     overlay = {"tests/test_core.py": tests}
     f2p = [f"tests/test_core.py::test_{bug_name}"]
     p2p = [f"tests/test_core.py::test_{n}" for n in names if n != bug_name]
@@ -114,10 +114,14 @@ def _micro_bug_task(rng, idx):
         {**repo, "mathlib/core.py": fixed}, overlay
 
 
-def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str]) -> Task:
+def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str], reads: tuple[str, ...] = ()) -> Task:
+    """`reads`: the files an agent must read before it can answer (the scripted oracle reads them first)."""
+    meta = {"generator": "ladder", "rung": rung}
+    if reads:
+        meta["reads"] = list(reads)
     return Task(id=task_id, instruction=prompts["issue"], repo_dir=None, tests_dir=None, prompts=prompts,
                 category=f"ladder/{rung}", difficulty=difficulty, repo=f"ladder-{rung}", timeout_s=60.0,
-                metadata={"generator": "ladder", "rung": rung})
+                metadata=meta)
 
 
 def write_generated_task(task: Task, repo: dict[str, str], solved: dict[str, str], overlay: dict[str, str],
