@@ -249,3 +249,33 @@ def test_container_has_no_network_unless_asked(tmp_path):
         res = box.exec("while read line; do echo \"$line\"; done < /proc/net/dev")
         assert len(res.stdout.splitlines()[2:]) >= 1
     shutil.rmtree(tmp_path / "cache")
+
+
+@pytest.mark.skipif(not _bwrap_ok(), reason="bubblewrap cannot create namespaces here")
+@pytest.mark.parametrize("mode", ["overlay", "copy"])
+def test_bwrap_sandbox_on_an_image(tmp_path, mode):
+    """The Sandbox contract over an image: the image's root (its /etc, Env, uid 0), the workspace at the
+    image's working directory (seeded from the image's tree there), diffs of the workspace, and a root that
+    no other sandbox sees."""
+    from c2jax.rl.sandbox.bwrap import BwrapSandbox
+
+    image = load_image(make_layout(tmp_path / "img"), tmp_path / "cache")
+    state = tmp_path / "state"
+    state.mkdir()
+    box = BwrapSandbox(image.rootfs / "app", image=image, workdir=image.config.workdir, state_dir=state, mode=mode)
+    try:
+        res = box.exec('read g < /etc/greeting; read n < new.txt; echo "$g|$n|$GREETING|$(pwd)"; '
+                       'while read k v rest; do [ "$k" = "Uid:" ] && echo "uid $v"; done < /proc/self/status; '
+                       'echo fixed > keep/a.txt; echo sys > /etc/changed')
+        assert res.exit_code == 0, res.stderr
+        assert res.stdout.splitlines() == ["hello from the image|new|hi there|/app", "uid 0"]
+        assert "+fixed" in box.diff() and "keep/a.txt" in box.diff()
+        fork = box.fork()
+        try:  # a fork copies the workspace, and starts from the image's root
+            res = fork.exec("read a < keep/a.txt; echo $a; [ -e /etc/changed ] || echo clean")
+            assert res.stdout == "fixed\nclean\n"
+        finally:
+            fork.close()
+    finally:
+        box.close()
+    assert tree(image.rootfs) == EXPECTED and not list(state.iterdir())

@@ -39,6 +39,7 @@ from c2jax.rl.sandbox.limits import SandboxCgroup, detect_cgroups, launcher_pref
 from c2jax.rl.sandbox.procs import run_captured
 
 if TYPE_CHECKING:
+    from c2jax.rl.sandbox.oci import Image
     from c2jax.rl.sandbox.pool import SandboxPool
 
 SANDBOX_UID = 1000
@@ -174,17 +175,22 @@ class BwrapSandbox(HostWorkspaceSandbox):
     where the workspace appears and commands start (a Harbor task's `[environment].workdir`); `env`
     is set for every command, under the per-command `env`. `network=True` shares the host's network
     namespace (every other namespace stays private); the default is a network namespace with only `lo`.
+    `image` (an unpacked container image, `c2jax.rl.sandbox.oci.load_image`) replaces the host's system
+    directories with a private copy-on-write layer over the image's root filesystem, writable, entered as uid 0 of
+    the user namespace (as a container's root); the image's Env sits under `env`.
     """
 
     def __init__(self, source: str | os.PathLike | BaseSnapshot, *, limits: Limits | None = None,
                  state_dir: Path | None = None, mode: str | None = None,
                  extra_ro_binds: dict[str, str] | None = None, workdir: str = WORKSPACE,
-                 env: dict[str, str] | None = None, network: bool = False,
+                 env: dict[str, str] | None = None, network: bool = False, image: Image | None = None,
                  _fork_of: BwrapSandbox | None = None, _pool: SandboxPool | None = None):
         if not isinstance(network, bool):
             raise TypeError(f"network must be True or False, got {network!r}")
         self.workdir = check_mount_point(workdir, "workdir")
         self.network = network
+        self.image = image
+        self._root_layer = None
         self._env = dict(env or {})
         self._uploads: dict[str, Path] = {}  # sandbox path -> host copy, bound read-write
         self.limits = limits if limits is not None else Limits()
@@ -201,6 +207,11 @@ class BwrapSandbox(HostWorkspaceSandbox):
         try:
             self._workspace = Workspace(self._snapshot, self._dir, mode=self._mode,
                                         copy_from=_fork_of._workspace if _fork_of else None)
+            if image is not None:
+                from c2jax.rl.sandbox.oci import RootLayer
+
+                # a fork starts from the image, not from its parent's root changes (the workspace is what forks)
+                self._root_layer = RootLayer(image, self._dir / "image-root", self._mode)
             layout = _cgroup_layout()
             if layout is not None:
                 self._cgroup = SandboxCgroup(layout, f"c2jax-{self._dir.name}", self.limits)
@@ -247,6 +258,8 @@ class BwrapSandbox(HostWorkspaceSandbox):
         return host
 
     def _static_argv(self) -> list[str]:
+        if self.image is not None:
+            return self._image_argv()
         argv = [self._bwrap, "--unshare-all", *(["--share-net"] if self.network else []), "--unshare-user",
                 "--disable-userns",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
@@ -262,13 +275,31 @@ class BwrapSandbox(HostWorkspaceSandbox):
             argv += ["--ro-bind", host, inside]
         return argv + ["--remount-ro", "/"]  # the sandbox's root tmpfs; /workspace and /tmp stay writable
 
+    def _image_argv(self) -> list[str]:
+        from c2jax.rl.sandbox.oci import DEFAULT_ENV
+
+        argv = [self._bwrap, "--unshare-all", *(["--share-net"] if self.network else []), "--unshare-user",
+                "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--die-with-parent", "--new-session",
+                "--clearenv", "--bind", str(self._root_layer.root), "/",
+                "--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp"]
+        if self.network:  # the host's resolver, as Docker writes the container's /etc/resolv.conf
+            argv += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        argv += ["--bind", str(self._workspace.merged), self.workdir]
+        for inside, host in self._uploads.items():
+            argv += ["--bind", str(host), inside]
+        for host, inside in self._extra.items():
+            argv += ["--ro-bind", host, inside]
+        self._base_env = {**DEFAULT_ENV, **self.image.config.env}
+        return argv
+
     def exec(self, command: str, *, timeout_s: float | None = None, cwd: str = ".",
              env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
         self._check_open()
         rel = normalize(cwd)
         if not self._ws.resolve(rel).is_dir():
             raise SandboxError(f"cwd {cwd!r} is not a directory in the workspace")
-        inner_env = {**default_env(), **self._env, **(env or {})}
+        base = self._base_env if self.image is not None else default_env()
+        inner_env = {**base, **self._env, **(env or {})}
         argv = [*self._prefix, *self._argv]
         for k, v in inner_env.items():
             argv += ["--setenv", k, v]
@@ -285,13 +316,15 @@ class BwrapSandbox(HostWorkspaceSandbox):
         self._check_open()
         child = BwrapSandbox(self._snapshot, limits=self.limits, state_dir=self._state_dir, mode=self._mode,
                              extra_ro_binds=self._extra, workdir=self.workdir, env=self._env,
-                             network=self.network, _fork_of=self,
+                             network=self.network, image=self.image, _fork_of=self,
                              _pool=self._pool)
         for inside, host in self._uploads.items():
             child.upload_dir(host, inside)
         return child
 
     def _teardown(self) -> None:
+        if getattr(self, "_root_layer", None) is not None:
+            self._root_layer.remove()
         if getattr(self, "_workspace", None) is not None:
             self._workspace.remove()
         if self._cgroup is not None:

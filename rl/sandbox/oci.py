@@ -39,6 +39,8 @@ OPAQUE_MARKER = ".wh..wh..opq"
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
 PLATFORM = ("linux", "amd64")
 _COMPLETE = ".c2jax-complete"
+# under the image's Env, as Docker does for an image that sets no PATH
+DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
 
 class ImageError(ValueError):
@@ -366,36 +368,62 @@ class ExecResult:
     timed_out: bool = False
 
 
-class ImageContainer:
-    """One fresh container of an unpacked image: a private copy-on-write layer over its root filesystem
-    (an overlayfs mount where the host allows it, else a `cp -a --reflink=auto` copy), entered with bubblewrap as
-    uid 0 in a user namespace (so package managers that expect root work; apt also needs
-    `APT::Sandbox::User "root"`, as its `_apt` user does not exist in the namespace), with its own /proc, /dev and
-    /tmp, and no network unless `network`. The image's tree is never written. `close()` drops the layer."""
+class RootLayer:
+    """A private writable root over an unpacked image: an overlayfs mount (lower = the image's tree) where the
+    host allows it, else a `cp -a --reflink=auto` copy. `root` is the tree a container sees as /."""
 
-    def __init__(self, image: Image, state_dir: str | os.PathLike, *, network: bool = False,
-                 env: dict[str, str] | None = None, workdir: str | None = None, mode: str | None = None):
-        from c2jax.rl.sandbox.layers import _mount_overlay, overlay_supported
+    def __init__(self, image: Image, directory: Path, mode: str = "overlay"):
+        from c2jax.rl.sandbox.layers import _mount_overlay
 
-        self.image, self.network = image, network
-        self.env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
-                    **image.config.env, **(env or {})}
-        self.workdir = workdir or image.config.workdir or "/"
-        state_dir = Path(state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="container-", dir=state_dir))
+        self.dir, self.mode = Path(directory), mode
         self.root = self.dir / "merged"
-        self.mode = mode or ("overlay" if overlay_supported(state_dir) else "copy")
-        if self.mode == "overlay":
+        self.dir.mkdir(parents=True)
+        if mode == "overlay":
             for d in ("upper", "work", "merged"):
                 (self.dir / d).mkdir()
             _mount_overlay(image.rootfs, self.dir / "upper", self.dir / "work", self.root)
-        elif self.mode == "copy":
+        elif mode == "copy":
             import subprocess
 
             subprocess.run(["cp", "-a", "--reflink=auto", str(image.rootfs), str(self.root)], check=True)
         else:
             raise ValueError(f"mode must be 'overlay' or 'copy', got {mode!r}")
+        self._mounted = mode == "overlay"
+
+    def remove(self) -> None:
+        from c2jax.rl.sandbox.layers import unmount
+
+        if self._mounted:
+            unmount(self.root)
+            self._mounted = False
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ImageContainer:
+    """One fresh container of an unpacked image: a private copy-on-write layer over its root filesystem
+    (`RootLayer`), entered with bubblewrap as uid 0 in a user namespace (so package managers that expect root
+    work; apt also needs `APT::Sandbox::User "root"`, as its `_apt` user does not exist in the namespace), with its
+    own /proc, /dev and /tmp, and no network unless `network`. The image's tree is never written. `close()` drops
+    the layer. `BwrapSandbox(..., image=...)` is the same root behind the Sandbox contract (workspace, file
+    tools, diffs)."""
+
+    def __init__(self, image: Image, state_dir: str | os.PathLike, *, network: bool = False,
+                 env: dict[str, str] | None = None, workdir: str | None = None, mode: str | None = None):
+        from c2jax.rl.sandbox.layers import overlay_supported
+
+        self.image, self.network = image, network
+        self.env = {**DEFAULT_ENV, **image.config.env, **(env or {})}
+        self.workdir = workdir or image.config.workdir or "/"
+        state_dir = Path(state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="container-", dir=state_dir))
+        self.mode = mode or ("overlay" if overlay_supported(state_dir) else "copy")
+        try:
+            self._layer = RootLayer(image, self.dir / "root", self.mode)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        self.root = self._layer.root
         (self.root / self.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
 
     def argv(self, command: str) -> list[str]:
@@ -424,10 +452,7 @@ class ImageContainer:
         return ExecResult(proc.returncode, proc.stdout, proc.stderr)
 
     def close(self) -> None:
-        from c2jax.rl.sandbox.layers import unmount
-
-        if self.mode == "overlay":
-            unmount(self.root)
+        self._layer.remove()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):
