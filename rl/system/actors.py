@@ -21,7 +21,7 @@ from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.envs import EnvironmentHost, byte_tokenizer, run_ladder_episode, run_target_group
 from c2jax.rl.system.groups import Group
 from c2jax.rl.system.packet_store import PacketPublisher
-from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder
+from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder, ShardedDeltaDecoder, ShardPacket, ShardSet
 
 
 class Learner:
@@ -96,6 +96,245 @@ class Learner:
         return self.core.version
 
 
+def fetch_packets(ray, chain: list, timeout: float) -> list:
+    """The packets of a weight chain. An item is an ObjectRef to a WeightPacket (one learner process) or a
+    list of ObjectRefs to the N ShardPackets of one version (a learner group): those come back as a
+    ShardSet. One ray.get for all of them."""
+    refs = [r for item in chain for r in (item if isinstance(item, (list, tuple)) else [item])]
+    got = iter(ray.get(refs, timeout=timeout) if refs else [])
+    return [ShardSet([next(got) for _ in item]) if isinstance(item, (list, tuple)) else next(got) for item in chain]
+
+
+class GroupLearner(Learner):
+    """One process of a learner group (`learner.num_processes` > 1; `LearnerGroup` drives them): built
+    without JAX, it joins the group's `jax.distributed` job in `setup`, then runs the same jitted rl_step
+    on the global mesh as every other process (each fed its rows of the batch), checkpoints as one Orbax
+    multi-process job, and encodes only the weight shards it owns (ShardPackets)."""
+
+    def __init__(self, cfg: RLSystemConfig, run_dir: str, rank: int):
+        self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
+        self.core = None
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def coordinator_address(self) -> str:
+        """host:port for the group's coordination service (process 0 serves it): this node's address and a
+        port free on it now."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return f"{host}:{sock.getsockname()[1]}"
+
+    def setup(self, address: str) -> tuple[tuple[int, ...], int]:
+        """Join the group (jax.distributed.initialize: every process calls it, they wait for each other),
+        build the learner on the global mesh; returns this process's row blocks (RLLearner.row_blocks)."""
+        import jax
+
+        from c2jax import distributed
+        from c2jax.config import DistributedConfig
+
+        lc = self.cfg.learner
+        distributed.initialize(DistributedConfig(
+            enabled=True, coordinator_address=address, num_processes=lc.num_processes, process_id=self.rank,
+            heartbeat_timeout_s=lc.heartbeat_timeout_s, initialization_timeout_s=lc.initialization_timeout_s))
+        if lc.cpu_devices_per_process and jax.local_device_count() != lc.cpu_devices_per_process:
+            raise RuntimeError(f"learner process {self.rank} has {jax.local_device_count()} devices, not "
+                               f"learner.cpu_devices_per_process={lc.cpu_devices_per_process}: JAX's backend was "
+                               "up before the group's XLA_FLAGS applied")
+        super().__init__(self.cfg, self.run_dir)
+        self._layout: dict | None = None
+        return self.core.row_blocks()
+
+    def _snapshot(self) -> dict[str, np.ndarray]:
+        pieces, layout = self.core.owned_shards()
+        self._layout = layout
+        return pieces
+
+    def _encode(self, weights, version, force_full=False):
+        packet = self.encoder.encode(weights, version, force_full=force_full)
+        packet.stats["created"] = time.time()
+        self._last_stats = {**{f"sync/{k}": v for k, v in packet.stats.items() if k != "created"},
+                            "sync/stats_version": float(version)}
+        return ShardPacket(packet, self.rank, self.cfg.learner.num_processes, self._layout)
+
+    def train_rows(self, local_batch, rows: tuple[int, ...], global_rows: int) -> dict[str, float]:
+        """One rl_step of the group on the global batch of which `local_batch` holds this process's rows."""
+        return self.train(self.core.global_batch(local_batch, rows, global_rows))
+
+    def full_weights(self) -> dict[str, np.ndarray]:
+        """The whole weights (a collective: every process of the group must call it)."""
+        return self.core.weights()
+
+
+class SingleLearner:
+    """Driver-side handle of the one-process learner (one Learner actor): the calls the reconciler makes."""
+
+    def __init__(self, cfg: RLSystemConfig, run_dir: str, tag: str):
+        self.cfg = cfg
+        self.actor = spawn(Learner, cfg, run_dir, name=f"learner-{tag}", cpus=cfg.ray.learner_cpus,
+                           gpus=cfg.ray.learner_gpus, concurrency=2)  # packet() is served while train runs
+        self.actors = [self.actor]
+        self.row_multiple = 1
+
+    def start(self, resume: bool):
+        """(ObjectRef to the version, chain payload of its full packet)."""
+        return self.actor.start.options(num_returns=2).remote(resume)
+
+    def train(self, batch):
+        return self.actor.train.remote(batch)
+
+    def result(self, ref, timeout: float) -> dict:
+        import ray
+
+        return ray.get(ref, timeout=timeout)
+
+    def packet(self, version: int):
+        return self.actor.packet.remote(version)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def learner_env(cfg: RLSystemConfig, base: dict | None = None) -> dict[str, str]:
+    """Environment variables of every learner-group process: with `learner.cpu_devices_per_process`, JAX on
+    CPU with that many fake devices (this process's other XLA_FLAGS kept)."""
+    import os
+    import re
+
+    n = cfg.learner.cpu_devices_per_process
+    if not n:
+        return {}
+    flags = (os.environ if base is None else base).get("XLA_FLAGS", "")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags).split()
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
+
+
+class LearnerGroup:
+    """Driver-side handle of a learner over `learner.num_processes` processes: GroupLearner actors in a
+    placement group (one bundle each), joined into one jax.distributed job. `train` sends every process
+    only its rows of the batch; `packet` is the version's N shard packets (a list of ObjectRefs, which
+    rollout workers fetch and assemble). No Ray restarts: a process of a jax.distributed job cannot rejoin
+    alone, so a dead process fails the group's calls."""
+
+    def __init__(self, cfg: RLSystemConfig, run_dir: str, tag: str):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg, lc = cfg, cfg.learner
+        n = lc.num_processes
+        bundle = {"CPU": cfg.ray.learner_cpus, **({"GPU": cfg.ray.learner_gpus} if cfg.ray.learner_gpus else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=lc.placement_strategy,
+                                  name=f"learner-{tag}")
+        self.actors: list = []
+        self._pending: dict = {}
+        try:
+            ready, _ = ray.wait([self.pg.ready()], timeout=cfg.system.call_timeout_s)
+            if not ready:
+                raise RuntimeError(f"the learner's placement group ({n} bundles of {bundle}, "
+                                   f"{lc.placement_strategy}) was not placed within {cfg.system.call_timeout_s:.0f} s: "
+                                   "the cluster lacks the resources (ray.learner_cpus / learner_gpus per process)")
+            env = learner_env(cfg)
+            self.actors = [ray.remote(GroupLearner).options(
+                name=f"learner-{tag}-{i}", max_restarts=0, max_task_retries=0, num_cpus=cfg.ray.learner_cpus,
+                num_gpus=cfg.ray.learner_gpus, max_concurrency=2,
+                runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(cfg, run_dir, i) for i in range(n)]
+            address = ray.get(self.actors[0].coordinator_address.remote(), timeout=cfg.system.call_timeout_s)
+            layouts = ray.get([a.setup.remote(address) for a in self.actors],
+                              timeout=lc.initialization_timeout_s + cfg.system.call_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.rows = [tuple(blocks) for blocks, _ in layouts]
+        self.blocks = layouts[0][1]
+        self.row_multiple = self.blocks
+        self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=cfg.system.call_timeout_s)
+
+    def start(self, resume: bool):
+        refs = [a.start.options(num_returns=2).remote(resume) for a in self.actors]
+        return refs[0][0], [packet for _, packet in refs]
+
+    def split(self, batch) -> list:
+        """Every process's rows of `batch`: (local batch, row indices, global rows) each."""
+        rows = int(np.shape(batch.input_ids)[0])
+        if rows % self.blocks:
+            raise ValueError(f"a batch of {rows} rows does not split into the learner mesh's {self.blocks} row "
+                             f"blocks; make system.min_rows a multiple of {self.blocks}")
+        per = rows // self.blocks
+        out = []
+        for blocks in self.rows:
+            idx = np.concatenate([np.arange(b * per, (b + 1) * per) for b in blocks])
+            local = batch._replace(**{k: np.asarray(v)[idx] for k, v in batch._asdict().items()
+                                      if v is not None and k != "group_rewards"})
+            out.append((local, tuple(int(i) for i in idx), rows))
+        return out
+
+    def train(self, batch):
+        """Starts one step on every process; returns process 0's ObjectRef (`result` collects them all)."""
+        refs = [a.train_rows.remote(*part) for a, part in zip(self.actors, self.split(batch))]
+        self._pending[refs[0]] = refs
+        return refs[0]
+
+    def result(self, ref, timeout: float) -> dict:
+        """The step's metrics (process 0's: the step's outputs are replicated) with the weight packet's
+        sync stats summed over the processes and each process's bytes (`sync/bytes/p<i>`)."""
+        import ray
+
+        outs = ray.get(self._pending.pop(ref), timeout=timeout)
+        merged = dict(outs[0])
+        if len({(o.get("loss"), o.get("policy_version")) for o in outs}) != 1:
+            raise RuntimeError(f"the learner processes disagree on the step: {[o.get('loss') for o in outs]}")
+        if "sync/bytes" in merged:
+            raw = [o.get("sync/raw_bytes", 0.0) for o in outs]
+            merged["sync/bytes"] = float(sum(o["sync/bytes"] for o in outs))
+            merged["sync/raw_bytes"] = float(sum(raw))
+            merged["sync/encode_s"] = float(max(o.get("sync/encode_s", 0.0) for o in outs))
+            if all("sync/identical_fraction" in o for o in outs) and sum(raw):
+                merged["sync/identical_fraction"] = float(
+                    sum(o["sync/identical_fraction"] * r for o, r in zip(outs, raw)) / sum(raw))
+            for i, o in enumerate(outs):
+                merged[f"sync/bytes/p{i}"] = float(o["sync/bytes"])
+        merged["learner/step_s"] = float(max(o.get("learner/step_s", 0.0) for o in outs))
+        return merged
+
+    def packet(self, version: int) -> list:
+        return [a.packet.remote(version) for a in self.actors]
+
+    def full_weights(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        import ray
+
+        return ray.get([a.full_weights.remote() for a in self.actors], timeout=timeout)[0]
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 -- already gone
+                pass
+        self.actors = []
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001 -- already removed
+            pass
+
+
+def spawn_learner(cfg: RLSystemConfig, run_dir: str, tag: str):
+    """The learner's driver-side handle: one actor, or a group when learner.num_processes > 1."""
+    return SingleLearner(cfg, run_dir, tag) if cfg.learner.num_processes == 1 else LearnerGroup(cfg, run_dir, tag)
+
+
 class RolloutWorker:
     """Holds a sampler and drives up to `system.groups_per_worker` groups at once against environment
     workers; their requests, and the G episodes of an agentic group, run concurrently on the sampler
@@ -113,7 +352,8 @@ class RolloutWorker:
             self.renderer = ChatRenderer(byte_tokenizer())
             detok = self.renderer.decode
         self.policy = make_policy(cfg, detok)
-        self.decoder = DeltaDecoder()
+        n = cfg.learner.num_processes
+        self.decoder = DeltaDecoder() if n == 1 else ShardedDeltaDecoder(n)  # full weights from N shard packets
         self._lock = threading.Lock()
         # at most groups_per_worker groups at once per sampler (a call the reconciler abandoned may linger)
         self._run_slots = threading.BoundedSemaphore(cfg.system.groups_per_worker)
@@ -125,7 +365,7 @@ class RolloutWorker:
     def sync(self, chain: list) -> int:
         """Applies every packet of `chain` (ObjectRefs to the packets since the last full one) newer than
         what this worker holds. Safe to call while a group is decoding."""
-        packets = self.ray.get(list(chain), timeout=self.cfg.system.call_timeout_s) if chain else []
+        packets = fetch_packets(self.ray, chain, self.cfg.system.call_timeout_s)
         with self._lock:
             for p in sorted(packets, key=lambda p: p.version):
                 if p.version > self.decoder.version and (p.kind == "full" or p.base_version == self.decoder.version):
@@ -147,6 +387,11 @@ class RolloutWorker:
 
     def version(self) -> int:
         return self.policy.version
+
+    def synced_weights(self) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, weights) as this worker's decoder holds them (what its sampler loads next)."""
+        with self._lock:
+            return self.decoder.version, self.decoder.weights
 
     def info(self) -> dict:
         lat = self.sync_latency_s[-16:]

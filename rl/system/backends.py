@@ -235,6 +235,18 @@ def _shard_rl_state(state, tx, mesh_cfg):
     return mesh, state
 
 
+def _bounds(index, shape) -> tuple[tuple[int, int], ...]:
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def shard_owner(holders: dict[tuple, set[int]], ordinal: int) -> dict[tuple, int]:
+    """The process that encodes each distinct shard of a weight: `holders` maps a shard's bounds to the
+    processes holding a replica of it; shard j of weight `ordinal` goes to holder (ordinal + j) mod count,
+    so replicated weights and replicated shards are spread over the processes. Pure: every process computes
+    the same owners."""
+    return {b: sorted(holders[b])[(ordinal + j) % len(holders[b])] for j, b in enumerate(sorted(holders))}
+
+
 class RLLearner:
     """rl_step (jitted, donated) on the model, sharded over `cfg.mesh` when it spans several devices;
     Orbax checkpoints under <run>/checkpoints."""
@@ -248,7 +260,13 @@ class RLLearner:
 
         tx = make_optimizer(cfg.rl)
         graphdef, self.state = init_rl_state(initial_model(cfg), tx, cfg.rl)
-        self.mesh = None
+        self.cfg, self.mesh = cfg, None
+        if jax.process_count() > 1:  # one job over several processes: the mesh must span all of them
+            wanted = cfg.mesh.resolve(jax.device_count()).num_devices if -1 in cfg.mesh.shape else cfg.mesh.num_devices
+            if wanted != jax.device_count():
+                raise ValueError(f"mesh {cfg.mesh.sizes} spans {wanted} devices, but a learner over "
+                                 f"{jax.process_count()} processes must span all {jax.device_count()} "
+                                 "(set one mesh axis to -1)")
         if -1 in cfg.mesh.shape or cfg.mesh.num_devices != 1:
             self.mesh, self.state = _shard_rl_state(self.state, tx, cfg.mesh)
             self.step_fn = make_rl_step(graphdef, tx, cfg.rl, mesh=self.mesh, mesh_config=cfg.mesh,
@@ -277,7 +295,98 @@ class RLLearner:
         return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
     def weights(self) -> dict[str, np.ndarray]:
-        return flatten_weights(self.state.params, self.state.model_state)
+        """Full weights on the host. Across processes (`jax.process_count() > 1`) a collective: every
+        process calls it (each holds only its shards, so they are replicated first)."""
+        import jax
+
+        if jax.process_count() == 1:
+            return flatten_weights(self.state.params, self.state.model_state)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        whole = jax.jit(lambda t: t, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(
+            (self.state.params, self.state.model_state))
+        return flatten_weights(*whole)
+
+    def owned_shards(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(pieces, layout): host copies of the weight shards this process owns, named by
+        `weight_sync.piece_name`, and layout: piece -> (weight name, global shape, bounds). Every distinct
+        shard of a weight has one owner among the processes that hold a replica of it, rotated over shards
+        and weights (`shard_owner`), so the processes split the encoding and the bytes sent; across processes
+        the owned pieces tile every weight once. In one process: the whole weights, one piece each."""
+        import jax
+
+        from c2jax.rl.system.weight_sync import piece_name
+
+        me = jax.process_index()
+        pieces, layout = {}, {}
+        leaves = [(f"{prefix}/{_name(path)}", leaf)
+                  for prefix, tree in (("params", self.state.params), ("model_state", self.state.model_state))
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        for ordinal, (name, leaf) in enumerate(leaves):
+            shape = tuple(np.shape(leaf))
+            if not isinstance(leaf, jax.Array):
+                bounds = tuple((0, n) for n in shape)
+                if me == 0:
+                    pieces[piece_name(name, bounds)] = np.array(leaf, copy=True)
+                    layout[piece_name(name, bounds)] = (name, shape, bounds)
+                continue
+            holders: dict[tuple, set[int]] = {}
+            for device, index in leaf.sharding.devices_indices_map(shape).items():
+                holders.setdefault(_bounds(index, shape), set()).add(device.process_index)
+            owners = shard_owner(holders, ordinal)
+            for shard in leaf.addressable_shards:
+                bounds = _bounds(shard.index, shape)
+                key = piece_name(name, bounds)
+                if owners[bounds] == me and key not in pieces:
+                    pieces[key] = np.array(shard.data, copy=True)
+                    layout[key] = (name, shape, bounds)
+        return pieces, layout
+
+    # multi-process batches ---------------------------------------------------------------------------
+    def _batch_sharding(self):
+        from jax.sharding import NamedSharding
+
+        from c2jax.mesh import activation_rules, batch_spec
+
+        if self.mesh is None:
+            raise ValueError("the learner has no mesh: set `mesh` (one axis -1) to split batches over processes")
+        return NamedSharding(self.mesh, batch_spec(self.mesh, activation_rules(self.cfg.mesh)))
+
+    def row_blocks(self) -> tuple[tuple[int, ...], int]:
+        """(blocks, count): the mesh splits a batch's rows into `count` equal blocks (its batch axes); this
+        process's devices hold `blocks` of them. A batch of R rows gives this process rows
+        [b * R / count, (b + 1) * R / count) for each b in blocks."""
+        from c2jax import distributed
+
+        sharding = self._batch_sharding()
+        spec = sharding.spec
+        size = lambda axes: int(np.prod([self.mesh.shape[a] for a in  # noqa: E731
+                                         ((axes,) if isinstance(axes, str) else (axes or ()))]))
+        count, seq = size(spec[0] if len(spec) else None), size(spec[1] if len(spec) > 1 else None)
+        return distributed.data_shard(sharding, (count, seq)).rows, count
+
+    def global_batch(self, local, rows: tuple[int, ...], global_rows: int):
+        """The global RLBatch from this process's `rows` (their indices in the global batch of
+        `global_rows`, in order) of every [B, S, ...] field; group_rewards (per group, not per row) whole
+        in every process."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from c2jax import distributed
+
+        sharding = self._batch_sharding()
+        seq_len = np.shape(local.input_ids)[1]
+        shard = distributed.data_shard(sharding, (global_rows, seq_len))
+        if tuple(rows) != shard.rows:
+            raise ValueError(f"process {jax.process_index()} was sent rows {list(rows)[:8]} of a {global_rows}-row "
+                             f"batch, but its devices hold rows {list(shard.rows)[:8]}")
+        fields = {k: v for k, v in local._asdict().items() if v is not None and k != "group_rewards"}
+        arrays = distributed.global_batch(fields, sharding, shard)
+        if local.group_rewards is not None:
+            gr = np.asarray(local.group_rewards)
+            arrays["group_rewards"] = jax.make_array_from_process_local_data(
+                NamedSharding(self.mesh, PartitionSpec()), gr, gr.shape)
+        return local._replace(**arrays)
 
     def save(self) -> None:
         self.ckpt.save(self.version, self.state, {"version": self.version})

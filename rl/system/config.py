@@ -162,6 +162,34 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class LearnerConfig:
+    """The learner as a group of `num_processes` Ray actors, one per host (a placement group of one bundle of
+    `ray.learner_cpus` / `ray.learner_gpus` each), joined by `jax.distributed` into one job: the same jitted
+    rl_step on one global mesh (`mesh`, which must span every process's devices), each process fed its rows
+    of every batch, each encoding the weight delta of the shards it owns; samplers assemble full weights
+    from the shard packets (c2jax.rl.system.weight_sync.ShardedDeltaDecoder). 1: one actor, as before."""
+
+    num_processes: int = 1
+    # Ray placement strategy of the group's bundles: SPREAD / STRICT_SPREAD put one process per node on a
+    # real cluster; PACK (and SPREAD, when there is one node) also run on one machine, as in the tests
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK"] = "SPREAD"
+    # CPU-only runs: >0 gives every learner process this many fake CPU devices
+    # (--xla_force_host_platform_device_count, JAX_PLATFORMS=cpu); 0 leaves the node's devices as they are
+    cpu_devices_per_process: int = 0
+    # jax.distributed: a process silent this long is declared dead (the others abort); joining timeout
+    heartbeat_timeout_s: int = 30
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self):
+        if self.num_processes < 1:
+            raise ConfigError(f"learner.num_processes must be >= 1, got {self.num_processes}")
+        if self.cpu_devices_per_process < 0:
+            raise ConfigError(f"learner.cpu_devices_per_process must be >= 0, got {self.cpu_devices_per_process}")
+        if self.heartbeat_timeout_s <= 0 or self.initialization_timeout_s <= 0:
+            raise ConfigError("learner.heartbeat_timeout_s and learner.initialization_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     """`rl`/`engine`: the real learner (c2jax.rl.learner.rl_step) and sampler (InferenceEngine). `fake`: NumPy
     stand-ins (a categorical policy trained by REINFORCE) for fast tests of the system itself."""
@@ -192,6 +220,7 @@ class RLSystemConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     # Start from these weights instead of a random init: a Hugging Face DeepseekV3 checkpoint directory
     # (config.json + safetensors) or a c2jax pretraining run directory (config.yaml + checkpoints/, newest
     # step). Its architecture must equal `model`'s (execution fields such as moe_impl/dtype are the run's).
@@ -199,6 +228,20 @@ class RLSystemConfig:
     init_from: str | None = None
     log_every: int = 1
     dashboard: bool = True  # live rich dashboard when stdout is a TTY
+
+    def __post_init__(self):
+        n = self.learner.num_processes
+        if n > 1:
+            if self.backend.learner != "rl":
+                raise ConfigError(f"learner.num_processes={n} needs backend.learner=rl (the fake learner is one "
+                                  "NumPy process)")
+            if -1 not in self.mesh.shape and self.mesh.num_devices == 1:
+                raise ConfigError(f"learner.num_processes={n}: the mesh must span every learner process's devices; "
+                                  "set one mesh axis to -1 (e.g. mesh.fsdp=-1)")
+            if self.weight_sync.publish_dir:
+                raise ConfigError(f"weight_sync.publish_dir: publishing the shard packets of learner.num_processes="
+                                  f"{n} to shared storage is not supported yet; use one learner process or leave "
+                                  "publish_dir empty")
 
     @property
     def run_dir(self) -> Path:

@@ -16,13 +16,14 @@ max_group_retries times, then recorded as errored; every outcome is counted.
 from __future__ import annotations
 
 import collections
+import math
 import time
 import uuid
 from collections.abc import Callable
 
 import numpy as np
 
-from c2jax.rl.system.actors import Evaluator, Learner, RolloutWorker, spawn, spawn_env_worker
+from c2jax.rl.system.actors import Evaluator, RolloutWorker, spawn, spawn_env_worker, spawn_learner
 from c2jax.rl.system.cluster import init_ray
 from c2jax.rl.system.config import RLSystemConfig, save_system_config
 from c2jax.rl.system.curriculum import Curriculum
@@ -89,11 +90,12 @@ class Reconciler:
 
         cfg, sc = self.cfg, self.cfg.system
         init_ray(num_cpus=cfg.ray.num_cpus, address=cfg.ray.address)  # no-op when Ray is already up
-        need = cfg.ray.learner_cpus + sc.num_env_workers * cfg.ray.env_cpus + cfg.ray.rollout_cpus * (
+        need = cfg.ray.learner_cpus * cfg.learner.num_processes + sc.num_env_workers * cfg.ray.env_cpus + cfg.ray.rollout_cpus * (
             sc.num_rollout_workers + (cfg.eval.every > 0))
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
-            raise ValueError(f"the actors need {need:g} logical CPUs (ray.learner_cpus, env_cpus, rollout_cpus x "
+            raise ValueError(f"the actors need {need:g} logical CPUs (ray.learner_cpus x learner.num_processes, "
+                             f"env_cpus, rollout_cpus x "
                              f"workers + evaluator) but the Ray cluster has {have:g}; lower them or raise "
                              "ray.num_cpus")
         if cfg.init_from:  # fail here, naming the path, rather than inside the learner actor
@@ -104,8 +106,8 @@ class Reconciler:
         self.train_prompts, self.eval_prompts, task_dirs = self._prompts()
         tag = uuid.uuid4().hex[:6]
         self.env_workers = [spawn_env_worker(cfg, task_dirs, f"env-{tag}-{i}") for i in range(sc.num_env_workers)]
-        self.learner = spawn(Learner, cfg, str(self.run_dir), name=f"learner-{tag}", cpus=cfg.ray.learner_cpus,
-                             gpus=cfg.ray.learner_gpus, concurrency=2)  # packet() is served while train runs
+        # one Learner actor, or a group of learner.num_processes actors in one jax.distributed job
+        self.learner = spawn_learner(cfg, str(self.run_dir), tag)
         self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self.train_prompts, f"rollout{i}",
                               name=f"rollout-{tag}-{i}", cpus=cfg.ray.rollout_cpus, gpus=cfg.ray.rollout_gpus,
                               concurrency=sc.groups_per_worker + 3) for i in range(sc.num_rollout_workers)]
@@ -113,8 +115,8 @@ class Reconciler:
         if cfg.eval.every > 0:
             self.evaluator = spawn(Evaluator, cfg, self.env_workers, self.eval_prompts, "evaluator",
                                    name=f"evaluator-{tag}", cpus=cfg.ray.rollout_cpus, concurrency=2)
-        self.actors = [*self.env_workers, self.learner, *self.workers] + ([self.evaluator] if self.evaluator else [])
-        version_ref, packet_ref = self.learner.start.options(num_returns=2).remote(cfg.resume)
+        self.actors = [*self.env_workers, *self.learner.actors, *self.workers] + ([self.evaluator] if self.evaluator else [])
+        version_ref, packet_ref = self.learner.start(cfg.resume)
         self.version = self.start_version = ray.get(version_ref, timeout=max(sc.call_timeout_s, 600))
         self.chain.add(self.version, "full", packet_ref)
         if self.evaluator is not None:  # the starting policy is the baseline every later eval is read against
@@ -184,13 +186,14 @@ class Reconciler:
         if groups is None:
             return
         sc = self.cfg.system
-        batch = build_batch(groups, sc.seq_len, sc.min_rows, self.cfg.rl.micro_batches, self.cfg.router_replay)
+        row_multiple = math.lcm(self.cfg.rl.micro_batches, self.learner.row_multiple)  # rows split over processes
+        batch = build_batch(groups, sc.seq_len, sc.min_rows, row_multiple, self.cfg.router_replay)
         mask = np.asarray(batch.loss_mask, bool)
         versions = np.asarray(batch.policy_versions)[mask]
         min_v = int(versions.min()) if versions.size else self.version
         if min_v < oldest_allowed(self.version, sc.max_staleness):  # cannot happen: _take_batch filters
             raise AssertionError(f"staleness bound violated: token v{min_v} at learner v{self.version}")
-        metrics_ref = self.learner.train.remote(batch)
+        metrics_ref = self.learner.train(batch)
         info = {"groups": [g.group_id for g in groups], "t0": time.perf_counter(),
                 "reward": float(np.mean([g.rewards.mean() for g in groups])),
                 "tokens": int(mask.sum()), "samples": sum(len(g.rollouts) for g in groups),
@@ -244,14 +247,12 @@ class Reconciler:
             self.store.mark(spec["group_id"], "lost", error=why, prompt_id=spec["prompt_id"])
 
     def _on_trained(self) -> None:
-        import ray
-
         metrics_ref, info = self.training
         self.training = None
-        metrics = ray.get(metrics_ref, timeout=self.cfg.system.call_timeout_s)
+        metrics = self.learner.result(metrics_ref, timeout=self.cfg.system.call_timeout_s)
         self.version += 1
         # the packet is still being encoded on the learner; samplers wait on this ref, the learner goes on
-        packet_ref = self.learner.packet.remote(self.version)
+        packet_ref = self.learner.packet(self.version)
         self.chain.add(self.version, "full" if metrics.get("sync/full") else "delta", packet_ref)
         for wkr in self.workers:  # fire and forget: the learner never waits for a sampler
             wkr.sync.remote(self.chain.payloads())
@@ -401,6 +402,8 @@ class Reconciler:
             except Exception:  # noqa: BLE001 -- already gone
                 pass
         self.actors = []
+        if getattr(self, "learner", None) is not None:
+            self.learner.shutdown()  # a learner group's placement group
 
 
 def run_system(cfg: RLSystemConfig, *, on_step=None, dashboard=None) -> dict:

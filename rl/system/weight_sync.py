@@ -190,3 +190,172 @@ class WeightChain:
 
     def payloads(self) -> list:
         return [p for _, _, p in self.items]
+
+
+# ------------------------------------------------------------------------------ multi-process learners
+# A learner spread over N processes (config `learner.num_processes`) holds each weight as a global array
+# whose shards live on different processes. Each process encodes only the pieces it owns (the shards with
+# replica id 0 on its devices: across processes they tile every weight exactly once) with its own
+# DeltaEncoder, so its packets form an ordinary delta chain over its pieces; a `ShardPacket` adds where each
+# piece lies in its weight. Receivers keep one DeltaDecoder per process and assemble full weights from them.
+# The one-process WeightPacket, and everything that reads it, is unchanged.
+
+Bounds = tuple[tuple[int, int], ...]  # [start, stop) along every axis of the weight
+
+
+def piece_name(leaf: str, bounds: Bounds) -> str:
+    """The name of a piece of `leaf` in a process's packet: 'params/w@0:4,0:16' (a scalar: 'params/s@')."""
+    return f"{leaf}@{','.join(f'{a}:{b}' for a, b in bounds)}"
+
+
+@dataclass
+class ShardPacket:
+    """One learner process's part of a weight version: `packet` (a WeightPacket over this process's pieces,
+    a delta on its own previous packet) and `layout`: piece name -> (weight name, the weight's global
+    shape, the piece's bounds in it)."""
+
+    packet: WeightPacket
+    process_index: int
+    num_processes: int
+    layout: dict[str, tuple[str, tuple[int, ...], Bounds]]
+
+    @property
+    def version(self) -> int:
+        return self.packet.version
+
+    @property
+    def kind(self) -> str:
+        return self.packet.kind
+
+    @property
+    def base_version(self) -> int:
+        return self.packet.base_version
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.packet.stats
+
+    @property
+    def nbytes(self) -> int:
+        return self.packet.nbytes
+
+
+class ShardSet:
+    """The N shard packets of one version, checked to fit together: one per process 0..N-1, of one
+    version, kind and base version. Has the version / kind / base_version a receiver orders packets by."""
+
+    def __init__(self, shards, num_processes: int | None = None):
+        shards = sorted(shards, key=lambda s: getattr(s, "process_index", -1))
+        if not shards:
+            raise WeightSyncError("an empty set of shard packets")
+        bad = [type(s).__name__ for s in shards if not isinstance(s, ShardPacket)]
+        if bad:
+            raise WeightSyncError(f"a shard set holds {bad[0]} objects, not ShardPackets (a one-process packet "
+                                  "in a multi-process learner's chain?)")
+        n = shards[0].num_processes if num_processes is None else num_processes
+        if {s.num_processes for s in shards} != {n} or [s.process_index for s in shards] != list(range(n)):
+            raise WeightSyncError(f"shard packets v{shards[0].version} come from processes "
+                                  f"{[s.process_index for s in shards]} of {sorted({s.num_processes for s in shards})}; "
+                                  f"a set needs exactly one from each of processes 0..{n - 1}")
+        heads = {(s.version, s.kind, s.base_version) for s in shards}
+        if len(heads) != 1:
+            raise WeightSyncError(f"the shard packets of one set disagree on (version, kind, base version): "
+                                  f"{sorted(heads)}")
+        self.shards = tuple(shards)
+        self.version, self.kind, self.base_version = heads.pop()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.shards[0].stats
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+
+def assemble(pieces: list[dict[str, np.ndarray]], layouts: list[dict]) -> dict[str, np.ndarray]:
+    """Full weights from every process's pieces (`pieces[i]`, laid out by `layouts[i]`). Every element of
+    every weight must come from exactly one piece: a gap, an overlap or a piece whose shape or dtype does
+    not fit is a WeightSyncError naming the weight."""
+    out: dict[str, np.ndarray] = {}
+    covered: dict[str, np.ndarray] = {}
+    for proc, (got, layout) in enumerate(zip(pieces, layouts)):
+        if set(got) != set(layout):
+            raise WeightSyncError(f"process {proc}: pieces {sorted(set(got) ^ set(layout))[:3]} are in the packet "
+                                  "or its layout, not both")
+        for piece, (leaf, shape, bounds) in layout.items():
+            value = got[piece]
+            shape, bounds = tuple(shape), tuple(tuple(b) for b in bounds)
+            if len(bounds) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(bounds, shape)):
+                raise WeightSyncError(f"{leaf}: piece {piece} of process {proc} has bounds {bounds} outside its "
+                                      f"shape {shape}")
+            if value.shape != tuple(b - a for a, b in bounds):
+                raise WeightSyncError(f"{leaf}: piece {piece} of process {proc} has shape {value.shape} for "
+                                      f"bounds {bounds}")
+            if leaf not in out:
+                out[leaf] = np.empty(shape, value.dtype)
+                covered[leaf] = np.zeros(shape, bool)
+            elif out[leaf].shape != shape or out[leaf].dtype != value.dtype:
+                raise WeightSyncError(f"{leaf}: pieces disagree on the weight's shape/dtype ({out[leaf].shape} "
+                                      f"{out[leaf].dtype} vs {shape} {value.dtype})")
+            where = tuple(slice(a, b) for a, b in bounds)
+            if covered[leaf][where].any():
+                raise WeightSyncError(f"{leaf}: piece {piece} of process {proc} overlaps another piece")
+            covered[leaf][where] = True
+            out[leaf][where] = value  # same dtype: a byte copy, bit-exact
+    gaps = {leaf: int((~c).sum()) for leaf, c in covered.items() if not c.all()}
+    if gaps:
+        leaf = next(iter(gaps))
+        raise WeightSyncError(f"{leaf}: {gaps[leaf]} of {covered[leaf].size} elements are in no shard packet "
+                              f"({len(gaps)} weights incomplete)")
+    return out
+
+
+class ShardedDeltaDecoder:
+    """Receiver of a multi-process learner: one DeltaDecoder per process, advanced together one ShardSet
+    (a version's N shard packets) at a time; `weights` are the assembled full weights, bit-identical to
+    the learner's."""
+
+    def __init__(self, num_processes: int):
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        self.num_processes = num_processes
+        self._decoders = [DeltaDecoder() for _ in range(num_processes)]
+        self._layouts: list[dict] = [{} for _ in range(num_processes)]
+        self.version = -1
+        self._assembled: dict[str, np.ndarray] | None = None
+
+    def apply(self, shards) -> bool:
+        """Applies a ShardSet (or the list of its shard packets); False (no-op) for one at or below the
+        current version. All or nothing: a set that fails to decode leaves the weights as they were."""
+        sset = shards if isinstance(shards, ShardSet) else ShardSet(shards, self.num_processes)
+        if len(sset.shards) != self.num_processes:
+            raise WeightSyncError(f"a set of {len(sset.shards)} shard packets for a {self.num_processes}-process "
+                                  "learner")
+        if sset.version <= self.version:
+            return False
+        if sset.kind == "delta" and sset.base_version != self.version:
+            raise WeightSyncError(f"delta shard packets v{sset.version} apply to v{sset.base_version}, but the "
+                                  f"receiver holds v{self.version}; re-sync from the last full packet")
+        saved = [(d.version, d._bits, d._dtypes) for d in self._decoders]
+        try:
+            for dec, shard in zip(self._decoders, sset.shards):
+                dec.apply(shard.packet)
+            layouts = [s.layout for s in sset.shards]
+            assembled = assemble([d.weights for d in self._decoders], layouts)
+        except Exception:
+            for dec, (v, bits, dtypes) in zip(self._decoders, saved):
+                dec.version, dec._bits, dec._dtypes = v, bits, dtypes
+            raise
+        self._layouts, self._assembled, self.version = layouts, assembled, sset.version
+        return True
+
+    def apply_chain(self, sets) -> int:
+        applied = 0
+        for s in sorted(sets, key=lambda s: s.version if isinstance(s, ShardSet) else s[0].version):
+            applied += self.apply(s)
+        return applied
+
+    @property
+    def weights(self) -> dict[str, np.ndarray]:
+        return {} if self._assembled is None else dict(self._assembled)

@@ -1,0 +1,254 @@
+"""The multi-process RL learner (config `learner.num_processes`): a group of Ray actors in one placement
+group, joined by jax.distributed over loopback (gloo collectives on CPU), running one rl_step on one global
+mesh. 2 processes x 4 fake CPU devices train the same batches as 1 process x 8 devices (this test process,
+conftest's 8 devices) to the same metrics and weights; each process encodes the weight shards it owns and a
+rollout worker assembles the learner's exact weights from the shard packets. Plus the pure pieces: shard
+sets, assembly (gaps, overlaps) and the config's checks."""
+
+import time
+
+import numpy as np
+import pytest
+
+from c2jax.rl.system.config import load_system_config
+from c2jax.rl.system.weight_sync import (
+    DeltaEncoder,
+    ShardedDeltaDecoder,
+    ShardPacket,
+    ShardSet,
+    WeightChain,
+    WeightSyncError,
+    assemble,
+    piece_name,
+)
+
+# the tiny MoE model of tests/test_rl_system.py; rows over data x fsdp = all 8 devices, so a batch of 8 rows
+# gives each process 4 (min_rows 8); no checkpoint during the run
+TINY = ["model.preset=tiny", "model.vocab_size=16", "model.num_hidden_layers=2", "model.num_nextn_predict_layers=0",
+        "model.moe_impl=dense", "model.n_group=1", "model.topk_group=1", "rl.learning_rate=3e-3", "rl.adam_eps=1e-4",
+        "rl.loss.constant_normalizer=128", "system.seq_len=8", "system.min_rows=8", "system.steps=1000",
+        "checkpoint.every=1000", "resume=false", "dashboard=false", "mesh.data=2", "mesh.fsdp=-1",
+        "weight_sync.full_every=3", "backend.policy=fake", "system.call_timeout_s=240"]
+STEPS = 4
+
+
+# ------------------------------------------------------------------------------------------ pure pieces
+def _split(weights: dict, cuts: dict) -> tuple[list, list]:
+    """Two processes' pieces of `weights`: rows [0, cut) to process 0, the rest to process 1 (cut None:
+    the whole weight to process 0, as a replicated leaf)."""
+    pieces, layouts = [{}, {}], [{}, {}]
+    for name, w in weights.items():
+        cut = cuts.get(name)
+        parts = [(0, ((0, w.shape[0]),))] if cut is None else [(0, ((0, cut),)), (1, ((cut, w.shape[0]),))]
+        for proc, bounds in parts:
+            key = piece_name(name, bounds)
+            pieces[proc][key] = w[bounds[0][0]:bounds[0][1]].copy()
+            layouts[proc][key] = (name, w.shape, bounds)
+    return pieces, layouts
+
+
+def test_shard_packets_assemble_bit_exact_over_a_delta_chain():
+    rng = np.random.default_rng(0)
+    w = {"a": rng.normal(size=(10,)).astype(np.float32), "b": np.array([np.nan, -0.0, 1.0, 2.0], np.float32)}
+    encoders = [DeltaEncoder(full_every=3), DeltaEncoder(full_every=3)]
+    dec, kinds = ShardedDeltaDecoder(2), []
+    for version in range(5):
+        if version:
+            w["a"] = w["a"].copy()
+            w["a"][rng.integers(10)] += 1.0
+        pieces, layouts = _split(w, {"a": 6})
+        shards = [ShardPacket(enc.encode(p, version), i, 2, lay)
+                  for i, (enc, p, lay) in enumerate(zip(encoders, pieces, layouts))]
+        sset = ShardSet(reversed(shards))  # any order
+        kinds.append(sset.kind)
+        assert dec.apply(sset) and dec.version == version
+        for k in w:
+            np.testing.assert_array_equal(dec.weights[k].view(np.uint32), w[k].view(np.uint32))
+    assert kinds == ["full", "delta", "delta", "full", "delta"]
+    assert not dec.apply(sset)  # an old version is a no-op
+
+
+def test_shard_sets_and_assembly_reject_what_does_not_fit():
+    w = {"a": np.arange(8, dtype=np.float32)}
+    pieces, layouts = _split(w, {"a": 5})
+    enc = [DeltaEncoder(), DeltaEncoder()]
+    shards = [ShardPacket(e.encode(p, 0), i, 2, lay) for i, (e, p, lay) in enumerate(zip(enc, pieces, layouts))]
+    with pytest.raises(WeightSyncError, match="exactly one from each"):
+        ShardSet(shards[:1], 2)
+    with pytest.raises(WeightSyncError, match="exactly one from each"):
+        ShardSet([shards[0], shards[0]])
+    later = ShardPacket(DeltaEncoder().encode(pieces[1], 1), 1, 2, layouts[1])
+    with pytest.raises(WeightSyncError, match="disagree on"):
+        ShardSet([shards[0], later])
+    with pytest.raises(WeightSyncError, match="not ShardPackets"):
+        ShardSet([shards[0].packet])
+    with pytest.raises(WeightSyncError, match="3 of 8 elements are in no shard packet"):
+        assemble(pieces[:1], layouts[:1])
+    overlap = {piece_name("a", ((4, 8),)): w["a"][4:]}
+    with pytest.raises(WeightSyncError, match="overlaps"):
+        assemble([pieces[0], overlap], [layouts[0], {k: ("a", (8,), ((4, 8),)) for k in overlap}])
+    with pytest.raises(WeightSyncError, match="has shape"):
+        assemble([pieces[0], {k: v[:1] for k, v in pieces[1].items()}], layouts)
+    # a delta whose base the receiver lacks leaves it as it was
+    dec = ShardedDeltaDecoder(2)
+    assert dec.apply(shards)
+    stale = [ShardPacket(DeltaEncoder().encode(p, 5), i, 2, lay) for i, (p, lay) in enumerate(zip(pieces, layouts))]
+    for s in stale:
+        s.packet.kind, s.packet.base_version = "delta", 4
+    with pytest.raises(WeightSyncError, match="re-sync"):
+        dec.apply(stale)
+    assert dec.version == 0 and np.array_equal(dec.weights["a"], w["a"])
+
+
+def test_config_checks_of_a_learner_group():
+    from c2jax.models.config import ConfigError
+
+    ok = load_system_config(None, [*TINY, "learner.num_processes=2"])
+    assert ok.learner.num_processes == 2 and load_system_config(None, []).learner.num_processes == 1
+    for extra, msg in [(["learner.num_processes=0"], "must be >= 1"),
+                       (["learner.num_processes=2", "mesh.data=1", "mesh.fsdp=1"], "mesh must span"),
+                       (["learner.num_processes=2", "backend.learner=fake"], "needs backend.learner=rl"),
+                       (["learner.num_processes=2", "weight_sync.publish_dir=/tmp/x"], "not supported yet")]:
+        with pytest.raises(ConfigError, match=msg):
+            load_system_config(None, [*TINY, *extra])
+
+
+def test_learner_env_gives_fake_cpu_devices_and_keeps_other_flags():
+    from c2jax.rl.system.actors import learner_env
+
+    cfg = load_system_config(None, [*TINY, "learner.num_processes=2", "learner.cpu_devices_per_process=4"])
+    env = learner_env(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"})
+    assert env == {"JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4"}
+    assert learner_env(load_system_config(None, TINY)) == {}
+
+
+# --------------------------------------------------------------------------------- the group on local Ray
+def _batches(seed: int):
+    from c2jax.rl.config import AdvantageConfig
+    from c2jax.rl.system.groups import Group, Rollout, build_batch
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(STEPS):
+        groups = []
+        for g in range(4):
+            rollouts = []
+            for r in range(4):
+                n = int(rng.integers(4, 9))
+                toks = rng.integers(0, 16, n).tolist()
+                rollouts.append(Rollout([{"tokens": toks, "loss_mask": [0] + [1] * (n - 1),
+                                          "behavior_logprobs": [0.0] + (-rng.uniform(1, 4, n - 1)).tolist(),
+                                          "policy_versions": [-1] + [step] * (n - 1)}], float(rng.uniform())))
+            groups.append(Group(f"s{step}g{g}", "p", rollouts).with_advantages(AdvantageConfig()))
+        out.append(build_batch(groups, seq_len=8, min_rows=8))
+    return out
+
+
+@pytest.fixture(scope="module")
+def group_run(tmp_path_factory):
+    """4 steps of a 2-process learner group on local Ray (its shard packets synced by a rollout worker after
+    every step) and of the 1-process learner on this process's 8 devices, on the same batches."""
+    pytest.importorskip("ray")
+    import jax
+
+    from c2jax.rl.system.actors import LearnerGroup, RolloutWorker
+    from c2jax.rl.system.backends import RLLearner
+    from c2jax.rl.system.cluster import init_ray, shutdown_ray
+
+    assert len(jax.devices()) == 8
+    tmp = tmp_path_factory.mktemp("group")
+    cfg1 = load_system_config(None, [*TINY, f"output_dir={tmp}", "name=one"])
+    cfg2 = load_system_config(None, [*TINY, f"output_dir={tmp}", "name=two", "learner.num_processes=2",
+                                     "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK"])
+    batches = _batches(0)
+    seconds = {}
+    t = time.perf_counter()
+    init_ray(num_cpus=2)
+    try:
+        group = LearnerGroup(cfg2, str(cfg2.run_dir), "test")  # the two processes build while this one does
+        seconds["group up"] = time.perf_counter() - t
+        t = time.perf_counter()
+        one = RLLearner(cfg1, cfg1.run_dir)
+        w0_one = one.weights()
+        rows = [len(b.input_ids) for b in batches]  # 8 or 16
+        ref = [one.train(one.global_batch(b, tuple(range(r)), r)) for b, r in zip(batches, rows)]
+        seconds["1 process, 4 steps"] = time.perf_counter() - t
+        t = time.perf_counter()
+        worker = RolloutWorker(cfg2, [], {}, "w")  # the rollout side's code, in this process
+        chain, synced, two, step_s = WeightChain(), [], [], []
+        version_ref, payload = group.start(False)
+        assert ray_get(version_ref) == 0
+        chain.add(0, "full", payload)
+        synced.append(worker.sync(chain.payloads()))
+        w0_two = worker.synced_weights()[1]
+        for version, batch in enumerate(batches, start=1):
+            t1 = time.perf_counter()
+            metrics = group.result(group.train(batch), timeout=240)
+            step_s.append(time.perf_counter() - t1)
+            two.append(metrics)
+            chain.add(version, "full" if metrics["sync/full"] else "delta", group.packet(version))
+            synced.append(worker.sync(chain.payloads()))
+        got_version, got = worker.synced_weights()
+        learner_w = group.full_weights(timeout=240)
+        packets = [ray_get(r) for r in chain.payloads()[-1]]
+        seconds["2 processes, 4 steps"] = time.perf_counter() - t
+        group.shutdown()
+    finally:
+        shutdown_ray()
+    print("\n" + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
+          f"steps 2-4 of the group {np.mean(step_s[1:]):.2f} s each")
+    return dict(ref=ref, two=two, synced=synced, got=got, got_version=got_version, learner_w=learner_w,
+                one_w=one.weights(), w0_one=w0_one, w0_two=w0_two, packets=packets, chain=chain)
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=240)
+
+
+def test_two_processes_train_like_one_on_the_same_mesh_and_batches(group_run):
+    ref, two = group_run["ref"], group_run["two"]
+    assert len(ref) == len(two) == STEPS
+    keys = sorted(k for k in ref[0] if not k.startswith(("sync/", "learner/")))
+    assert {"loss", "policy_loss", "grad_norm", "entropy", "tokens_trained", "ratio/mean"} <= set(keys)
+    for step, (a, b) in enumerate(zip(ref, two)):
+        assert set(keys) <= set(b), set(keys) - set(b)
+        np.testing.assert_allclose([b[k] for k in keys], [a[k] for k in keys], rtol=1e-5, atol=1e-7,
+                                   err_msg=f"step {step + 1}: {keys}")
+        assert b["policy_version"] == step
+    assert len({round(r["loss"], 6) for r in ref}) == STEPS  # the steps did train on different batches
+    # the starting weights are the same init, and the final ones agree to float-reduction order
+    for k in group_run["w0_one"]:
+        np.testing.assert_array_equal(group_run["w0_two"][k], group_run["w0_one"][k], err_msg=k)
+    one_w, learner_w = group_run["one_w"], group_run["learner_w"]
+    assert one_w.keys() == learner_w.keys()
+    moved = 0
+    for k in one_w:
+        np.testing.assert_allclose(learner_w[k], one_w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        moved += not np.array_equal(one_w[k], group_run["w0_one"][k])
+    assert moved > len(one_w) // 2  # training changed most weights
+
+
+def test_rollout_worker_assembles_the_learners_weights_from_shard_packets(group_run):
+    assert group_run["synced"] == list(range(STEPS + 1))  # every version applied, in order
+    assert group_run["got_version"] == STEPS
+    got, learner_w = group_run["got"], group_run["learner_w"]
+    assert got.keys() == learner_w.keys()
+    for k in got:  # bit for bit
+        assert got[k].dtype == learner_w[k].dtype and got[k].shape == learner_w[k].shape, k
+        np.testing.assert_array_equal(got[k].view(np.uint8), learner_w[k].view(np.uint8), err_msg=k)
+    # full_every=3: v0 and v3 full, the rest deltas; the chain starts at the last full packet
+    kinds = ["full" if r["sync/full"] else "delta" for r in group_run["two"]]
+    assert kinds == ["delta", "delta", "full", "delta"]
+    assert [v for v, _, _ in group_run["chain"].items] == [3, 4]
+    # each process sent only its own pieces: together they cover every weight once, neither holds it all
+    p0, p1 = group_run["packets"]
+    assert (p0.process_index, p1.process_index) == (0, 1) and p0.kind == p1.kind == "delta"
+    assert 0 < p1.stats["raw_bytes"] < p0.stats["raw_bytes"] + p1.stats["raw_bytes"]
+    total = sum(v.nbytes for v in learner_w.values())
+    assert p0.stats["raw_bytes"] + p1.stats["raw_bytes"] == total
+    last = group_run["two"][-1]
+    assert last["sync/bytes/p0"] > 0 and last["sync/bytes/p1"] > 0
+    assert last["sync/bytes"] == last["sync/bytes/p0"] + last["sync/bytes/p1"]
