@@ -279,3 +279,70 @@ def test_bwrap_sandbox_on_an_image(tmp_path, mode):
     finally:
         box.close()
     assert tree(image.rootfs) == EXPECTED and not list(state.iterdir())
+
+
+def _host_tools_layer(names) -> list:
+    """Host binaries (and every library they load) as layer entries: enough of a distribution for Harbor's
+    oracle and verifier commands (bash, env, chmod, tee, cp, cat)."""
+    entries, seen = [], set()
+    for name in names:
+        exe = Path(shutil.which(name))
+        out = subprocess.run(["ldd", str(exe)], capture_output=True, text=True).stdout
+        files = [(f"bin/{name}", Path(os.path.realpath(exe)))]
+        files += [(p.lstrip("/"), Path(os.path.realpath(p))) for line in out.splitlines()
+                  for p in line.split() if p.startswith("/")]
+        for rel, real in files:
+            if rel in seen:
+                continue
+            seen.add(rel)
+            parts = Path(rel).parts
+            entries += [("/".join(parts[:i]), "dir", None) for i in range(1, len(parts))]
+            entries.append((rel, "file", real.read_bytes()))
+    return entries
+
+
+@pytest.mark.skipif(not _bwrap_ok(), reason="bubblewrap cannot create namespaces here")
+def test_harbor_task_with_a_docker_image_from_the_store(tmp_path, monkeypatch):
+    """A Harbor task naming `docker_image` runs in that image once the image store holds it: the oracle
+    resolves it (its solve.sh and the verifier's test.sh see the image's files at its WORKDIR and its /etc), the
+    nop agent scores 0; without the image in the store the task is refused, naming the image and the store."""
+    from c2jax.rl.eval import EvalConfig, evaluate
+    from c2jax.rl.eval.agents import scripted_factory
+    from c2jax.rl.tasks.build import sandbox_factory
+    from c2jax.rl.tasks.task import load_task
+
+    task_dir = tmp_path / "tasks" / "image-task"
+    (task_dir / "tests").mkdir(parents=True)
+    (task_dir / "solution").mkdir()
+    (task_dir / "environment").mkdir()
+    (task_dir / "environment" / "Dockerfile").write_text("FROM example/hello:1\nRUN make\n")  # never built
+    (task_dir / "task.toml").write_text('schema_version = "1.1"\n[environment]\ndocker_image = "example/hello:1"\n'
+                                        "[verifier]\ntimeout_sec = 60.0\n")
+    (task_dir / "instruction.md").write_text("Write done to result.txt.\n")
+    (task_dir / "solution" / "solve.sh").write_text("echo done > result.txt\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif [ "$(cat result.txt)" = done ] && [ "$(cat /etc/greeting)" = "hello from the image" ] '
+        '&& [ "$PWD" = /app ] && [ -f keep/a.txt ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+
+    monkeypatch.delenv("C2JAX_IMAGE_STORE", raising=False)
+    refused = load_task(task_dir)
+    assert "example/hello:1" in refused.unsupported_reason and "C2JAX_IMAGE_STORE" in refused.unsupported_reason
+
+    store = tmp_path / "store"
+    store.mkdir()
+    make_layout(store / "example_hello_1", layers=[_host_tools_layer(["sh", "bash", "env", "chmod", "tee", "cp",
+                                                                      "cat"]) + LAYER1, LAYER2])
+    monkeypatch.setenv("C2JAX_IMAGE_STORE", str(store))
+    monkeypatch.setenv("C2JAX_IMAGE_CACHE", str(tmp_path / "cache"))
+    task = load_task(task_dir)
+    assert task.unsupported_reason is None and task.environment.workdir == "/app"
+    scores = {}
+    for mode in ("oracle", "nop"):
+        res = evaluate([task], scripted_factory(mode), 1, config=EvalConfig(sandbox="bwrap", concurrency=1),
+                       sandbox_factory=sandbox_factory("bwrap"), progress=False)
+        (r,) = res.results
+        scores[mode] = (r.status, r.reward, r.error)
+    assert scores["oracle"][:2] == ("resolved", 1.0), scores
+    assert scores["nop"][:2] == ("unresolved", 0.0), scores
+    with pytest.raises(ValueError, match="needs the bwrap sandbox"):
+        sandbox_factory("local")(task.repo_dir, **task.environment.sandbox_options("agent"))

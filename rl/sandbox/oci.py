@@ -460,3 +460,42 @@ class ImageContainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ------------------------------------------------------------------------------------------- image store
+# A directory of saved images, found by reference: `docker save REF -o STORE/NAME.tar`, or an OCI layout /
+# archive written by `skopeo copy docker://REF oci:STORE/NAME` / `oci-archive:STORE/NAME.tar`, where NAME is the
+# reference with '/', ':' and '@' replaced by '_' (example/tb2-task:20251031 -> example_tb2-task_20251031).
+IMAGE_STORE_ENV = "C2JAX_IMAGE_STORE"
+IMAGE_CACHE_ENV = "C2JAX_IMAGE_CACHE"
+
+
+def store_name(reference: str) -> str:
+    return reference.replace("/", "_").replace(":", "_").replace("@", "_")
+
+
+def find_in_store(reference: str, store: str | os.PathLike | None = None) -> Path | None:
+    """The saved image for `reference` in `store` (default: $C2JAX_IMAGE_STORE), or None."""
+    store = store if store is not None else os.environ.get(IMAGE_STORE_ENV)
+    if not store:
+        return None
+    name = store_name(reference)
+    for candidate in (Path(store) / name, Path(store) / f"{name}.tar"):
+        if candidate.is_dir() and (candidate / "index.json").is_file() or candidate.is_file():
+            return candidate
+    return None
+
+
+def read_image_config(source: str | os.PathLike) -> tuple[str, ImageConfig]:
+    """(manifest digest, config) of a saved image, without unpacking its layers."""
+    blobs = _Blobs(Path(source))
+    try:
+        digest, config, _ = _read_source(blobs)
+        return digest, ImageConfig.from_json(config)
+    finally:
+        blobs.close()
+
+
+def image_cache_dir() -> Path:
+    """Where images are unpacked: $C2JAX_IMAGE_CACHE, else ~/.cache/c2jax/images."""
+    return Path(os.environ.get(IMAGE_CACHE_ENV) or Path.home() / ".cache" / "c2jax" / "images")

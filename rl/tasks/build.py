@@ -90,12 +90,28 @@ class BackendFactory:
         if options.get("network") and not self.allow_network:
             raise ValueError("a sandbox with the host network was asked of a factory whose run does not "
                              "allow the network (allow_network: false)")
+        image_source = options.pop("image_source", None)
         if self.kind == "local":
+            if image_source is not None:
+                raise ValueError(f"the task runs in the container image {image_source}, which needs the bwrap "
+                                 "sandbox (sandbox: bwrap), not the unisolated local one")
             from c2jax.rl.sandbox import LocalSandbox
 
             return LocalSandbox(repo, allow_unisolated=True, **options)
         from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
+        if image_source is not None:
+            from c2jax.rl.sandbox.base import WORKSPACE
+            from c2jax.rl.sandbox.oci import image_cache_dir, load_image
+
+            image = load_image(image_source, image_cache_dir())
+            # the workspace is what the image holds at the working directory (empty when it holds nothing)
+            workdir = options.get("workdir", WORKSPACE)
+            seed = image.rootfs / workdir.lstrip("/")
+            if not seed.is_dir() or seed.is_symlink():
+                seed = image.rootfs.parent / "empty-workdir"
+                seed.mkdir(exist_ok=True)
+            return BwrapSandbox(seed, image=image, **options)
         return BwrapSandbox(repo, **options)
 
 

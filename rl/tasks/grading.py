@@ -14,8 +14,10 @@ XFAIL or SKIPPED; a test missing from the report fails. resolved = every F2P and
 
 from __future__ import annotations
 
+import os
 import secrets
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -86,6 +88,15 @@ def _apply(sandbox: Sandbox, patch: str, workdir: str) -> tuple[bool, str]:
     fallback = sandbox.exec(f"patch --batch --forward -p1 --fuzz=5 < {workdir}/agent.patch", timeout_s=60)
     if fallback.exit_code == 0:
         return True, ""
+    if res.exit_code == fallback.exit_code == 127 and hasattr(sandbox, "host_path"):
+        # neither git nor patch in the environment (a container image without them): apply with the host's
+        # git to the workspace's host tree; git apply refuses paths that leave the tree or cross a symlink
+        host = subprocess.run(["git", "apply", "--whitespace=nowarn", f"{workdir}/agent.patch"],
+                              cwd=sandbox.host_path(), capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "GIT_CEILING_DIRECTORIES": str(sandbox.host_path().parent)})
+        if host.returncode == 0:
+            return True, ""
+        return False, _tail(host.stderr + host.stdout)
     return False, _tail(res.stderr + res.stdout)
 
 

@@ -25,7 +25,11 @@ own tasks (which set none of them) keep the sandbox defaults. Honoured:
                 env             set for test.sh
   [solution]    env             set for the oracle's solve.sh
 
-Refused (the task loads as unsupported, with the field in the reason): a prebuilt `docker_image`,
+A prebuilt `docker_image` runs when the image store ($C2JAX_IMAGE_STORE, see c2jax.rl.sandbox.oci) holds it
+(saved with `docker save` or `skopeo copy`): the task's sandboxes are bwrap containers of the image, its WORKDIR
+(unless task.toml sets one) and ENV apply, the Dockerfile is not built.
+
+Refused (the task loads as unsupported, with the field in the reason): a `docker_image` missing from the store,
 GPUs, a non-Linux `os`, `healthcheck`, `mcp_servers`, `skills_dir`, `[agent]`/`[verifier]` `user`,
 a separate verifier environment, verifier `collect` commands, and multi-step `steps`.
 """
@@ -67,6 +71,7 @@ class TaskEnvironment:
     agent_env: dict[str, str] = field(default_factory=dict)
     verifier_env: dict[str, str] = field(default_factory=dict)
     solution_env: dict[str, str] = field(default_factory=dict)
+    image: str | None = None  # a saved container image (c2jax.rl.sandbox.oci) found for `docker_image`
 
     def limits(self) -> Limits | None:
         """The sandbox limits the task asks for, or None when it sets none of cpus/memory/storage."""
@@ -111,6 +116,8 @@ class TaskEnvironment:
         limits = self.limits()
         if limits is not None:
             options["limits"] = limits
+        if self.image is not None:
+            options["image_source"] = self.image
         return options
 
 
@@ -189,11 +196,28 @@ def network_baseline(env_table: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------ refusals
+def _find_image(environment: dict, image_store: str | None) -> str | None:
+    """The saved image for `[environment].docker_image`, or None when the task names none; refused (with
+    where it was looked for) when the image is not in the store."""
+    from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV, find_in_store, store_name
+
+    ref = environment.get("docker_image")
+    if not ref:
+        return None
+    if not isinstance(ref, str):
+        raise HarborConfigError(f"[environment].docker_image must be a string, got {ref!r}")
+    store = image_store if image_store is not None else os.environ.get(IMAGE_STORE_ENV)
+    found = find_in_store(ref, store)
+    if found is None:
+        where = f"not in the image store {store}" if store else f"no image store (set ${IMAGE_STORE_ENV})"
+        raise Refused(f"[environment].docker_image = {ref!r}: {where}; save the image there as "
+                      f"{store_name(ref)}.tar (`docker save {ref} -o ...`) or as an OCI layout "
+                      f"(`skopeo copy docker://{ref} oci:STORE/{store_name(ref)}`)")
+    return str(found)
+
+
 def _refusals(spec: dict, environment: dict, agent: dict, verifier: dict) -> None:
     """Raises Refused for the first field c2jax cannot honour."""
-    if environment.get("docker_image"):
-        raise Refused(f"[environment].docker_image = {environment['docker_image']!r}: prebuilt container "
-                      "images need the container backend, which c2jax does not have yet")
     if environment.get("gpus", 0) or environment.get("gpu_types"):
         raise Refused("[environment].gpus / gpu_types: c2jax sandboxes have no GPU")
     if str(environment.get("os", "linux")).lower() != "linux":
@@ -217,7 +241,8 @@ def _refusals(spec: dict, environment: dict, agent: dict, verifier: dict) -> Non
 
 def parse_environment(spec: dict, *, dockerfile_workdir: str | None = None,
                       dockerfile_env: dict[str, str] | None = None,
-                      host_env: dict[str, str] | None = None) -> tuple[TaskEnvironment, str | None]:
+                      host_env: dict[str, str] | None = None,
+                      image_store: str | None = None) -> tuple[TaskEnvironment, str | None]:
     """(the task's runtime fields, None) or (defaults, why the task is refused). Malformed values raise
     HarborConfigError naming the field. `dockerfile_workdir` is the last WORKDIR of a plain Dockerfile,
     the working directory when task.toml sets none (as Docker's image WORKDIR is for Harbor);
@@ -242,6 +267,17 @@ def parse_environment(spec: dict, *, dockerfile_workdir: str | None = None,
     agent_timeout = _positive(agent, "timeout_sec", "[agent]")
     _positive(verifier, "timeout_sec", "[verifier]")  # read into Task.timeout_s by the loader
     try:
+        image = _find_image(environment, image_store)
+        if image is not None:
+            # a prebuilt image: its WORKDIR and ENV, not the Dockerfile's (Harbor runs the image as saved)
+            from c2jax.rl.sandbox.oci import ImageError, read_image_config
+
+            try:
+                image_cfg = read_image_config(image)[1]
+            except ImageError as e:
+                raise Refused(f"[environment].docker_image = {environment['docker_image']!r}: {e}") from None
+            workdir = environment.get("workdir", image_cfg.workdir if image_cfg.workdir != "/" else None)
+            dockerfile_env = {}
         _refusals(spec, environment, agent, verifier)
         if workdir is not None:
             try:
@@ -254,7 +290,7 @@ def parse_environment(spec: dict, *, dockerfile_workdir: str | None = None,
             agent_timeout_s=agent_timeout,
             agent_env=resolve_env(agent, "[agent]", host_env),
             verifier_env=resolve_env(verifier, "[verifier]", host_env),
-            solution_env=resolve_env(solution, "[solution]", host_env))
+            solution_env=resolve_env(solution, "[solution]", host_env), image=image)
     except Refused as e:
         return TaskEnvironment(network=network, allowed_hosts=tuple(hosts)), str(e)
     return parsed, None

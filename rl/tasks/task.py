@@ -168,9 +168,14 @@ def _load_harbor(path: Path) -> Task:
             dockerfile_env=image_env)
     except HarborConfigError as e:
         raise TaskFormatError(f"{path / 'task.toml'}: {e}") from None
-    unsupported = unsupported or env_error
+    if environment.image is None:  # a Dockerfile's ENV matters only when the Dockerfile is what runs
+        unsupported = unsupported or env_error
     repo_dir = None
-    if (env_dir / "repo").is_dir():
+    if environment.image is not None:
+        # a prebuilt image from the image store: the Dockerfile (if any) is not built, and the workspace is
+        # seeded from the image's working directory when the sandbox opens (c2jax.rl.tasks.build)
+        repo_dir = env_dir if env_dir.is_dir() else path
+    elif (env_dir / "repo").is_dir():
         repo_dir = env_dir / "repo"
     elif dockerfile.is_file() or docker.compose_reason(env_dir):
         unsupported = unsupported or docker.compose_reason(env_dir) or docker.unsupported_reason(dockerfile)
