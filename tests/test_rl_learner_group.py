@@ -5,7 +5,9 @@ conftest's 8 devices) to the same metrics and weights; each process encodes the 
 rollout worker assembles the learner's exact weights from the shard packets. Plus the pure pieces: shard
 sets, assembly (gaps, overlaps) and the config's checks."""
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ TINY = ["model.preset=tiny", "model.vocab_size=16", "model.num_hidden_layers=2",
         "checkpoint.every=1000", "resume=false", "dashboard=false", "mesh.data=2", "mesh.fsdp=-1",
         "weight_sync.full_every=3", "backend.policy=fake", "system.call_timeout_s=240"]
 STEPS = 4
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------ pure pieces
@@ -146,15 +149,27 @@ def _batches(seed: int):
 
 
 @pytest.fixture(scope="module")
-def group_run(tmp_path_factory):
+def ray_cluster():
+    """A local Ray cluster whose processes (the learner group's) share this repository's compilation cache."""
+    pytest.importorskip("ray")
+    from c2jax.rl.system.cluster import init_ray, shutdown_ray
+
+    with pytest.MonkeyPatch.context() as mp:  # read by JAX in the actors (the cluster inherits this env)
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
+        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+        init_ray(num_cpus=2)
+    yield
+    shutdown_ray()
+
+
+@pytest.fixture(scope="module")
+def group_run(ray_cluster, tmp_path_factory):
     """4 steps of a 2-process learner group on local Ray (its shard packets synced by a rollout worker after
     every step) and of the 1-process learner on this process's 8 devices, on the same batches."""
-    pytest.importorskip("ray")
     import jax
 
     from c2jax.rl.system.actors import LearnerGroup, RolloutWorker
     from c2jax.rl.system.backends import RLLearner
-    from c2jax.rl.system.cluster import init_ray, shutdown_ray
 
     assert len(jax.devices()) == 8
     tmp = tmp_path_factory.mktemp("group")
@@ -164,9 +179,8 @@ def group_run(tmp_path_factory):
     batches = _batches(0)
     seconds = {}
     t = time.perf_counter()
-    init_ray(num_cpus=2)
+    group = LearnerGroup(cfg2, str(cfg2.run_dir), "test")  # the two processes build while this one does
     try:
-        group = LearnerGroup(cfg2, str(cfg2.run_dir), "test")  # the two processes build while this one does
         seconds["group up"] = time.perf_counter() - t
         t = time.perf_counter()
         one = RLLearner(cfg1, cfg1.run_dir)
@@ -193,9 +207,8 @@ def group_run(tmp_path_factory):
         learner_w = group.full_weights(timeout=240)
         packets = [ray_get(r) for r in chain.payloads()[-1]]
         seconds["2 processes, 4 steps"] = time.perf_counter() - t
-        group.shutdown()
     finally:
-        shutdown_ray()
+        group.shutdown()
     print("\n" + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
           f"steps 2-4 of the group {np.mean(step_s[1:]):.2f} s each")
     return dict(ref=ref, two=two, synced=synced, got=got, got_version=got_version, learner_w=learner_w,
@@ -252,3 +265,36 @@ def test_rollout_worker_assembles_the_learners_weights_from_shard_packets(group_
     last = group_run["two"][-1]
     assert last["sync/bytes/p0"] > 0 and last["sync/bytes/p1"] > 0
     assert last["sync/bytes"] == last["sync/bytes/p0"] + last["sync/bytes/p1"]
+
+
+def test_shard_owners_spread_replicas_over_processes_and_cover_every_shard():
+    from c2jax.rl.system.backends import shard_owner
+
+    # fsdp shards (4 of them) each replicated in both processes (data=2): owners alternate
+    holders = {((4 * j, 4 * j + 4),): {0, 1} for j in range(4)}
+    assert list(shard_owner(holders, 0).values()) == [0, 1, 0, 1]
+    assert list(shard_owner(holders, 1).values()) == [1, 0, 1, 0]
+    # a replicated weight (one shard, every process): the owner rotates with the weight's ordinal
+    assert [shard_owner({(): {0, 1, 2}}, k)[()] for k in range(4)] == [0, 1, 2, 0]
+    # a shard held by one process only is that process's
+    assert shard_owner({((0, 2),): {1}, ((2, 4),): {0}}, 5) == {((0, 2),): 1, ((2, 4),): 0}
+
+
+def test_a_run_with_a_learner_group_trains_and_its_samplers_load_the_learners_weights(ray_cluster, tmp_path):
+    """run_system end to end with learner.num_processes=2: InferenceEngine samplers assemble the shard
+    packets; on step 1 (version-0 tokens, version-0 weights) the learner's logprobs reproduce the sampler's."""
+    from c2jax.rl.system.reconciler import run_system
+
+    cfg = load_system_config(None, [
+        *TINY, f"output_dir={tmp_path}", "name=e2e", "backend.policy=engine", "learner.num_processes=2",
+        "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK", "system.steps=2",
+        "system.group_size=8", "system.groups_per_step=4", "system.num_rollout_workers=1", "env.gen_len=4",
+        "env.prompt_len=2", "engine.slots=8", "engine.max_len=16", "engine.chunk_steps=2", "engine.key_bucket=16",
+        "engine.min_prompt_bucket=2", "system.max_staleness=1"])
+    out = run_system(cfg)
+    assert out["version"] == 2 and out["worker_synced_versions"] == [2]
+    first = out["history"][0]
+    assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
+    for row in out["history"]:
+        assert row["tokens_trained"] == 4 * 8 * 4 and np.isfinite(row["loss"])
+        assert row["sync/bytes/p0"] > 0 and row["sync/bytes/p1"] > 0
