@@ -346,3 +346,142 @@ def test_harbor_task_with_a_docker_image_from_the_store(tmp_path, monkeypatch):
     assert scores["nop"][:2] == ("unresolved", 0.0), scores
     with pytest.raises(ValueError, match="needs the bwrap sandbox"):
         sandbox_factory("local")(task.repo_dir, **task.environment.sandbox_options("agent"))
+
+
+# ------------------------------------------------------------------------------------------- Dockerfile builds
+BUILD_TOOLS = ["sh", "bash", "env", "cat", "mkdir", "chmod", "tee", "cp"]
+
+
+@pytest.fixture(scope="module")
+def base_store(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    make_layout(store / "example_base_1", layers=[_host_tools_layer(BUILD_TOOLS) + LAYER1, LAYER2])
+    return store
+
+
+def _context(root: Path, dockerfile: str) -> Path:
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "a.py").write_text("print('a')\n")
+    (root / "src" / "secret.txt").write_text("never copied\n")
+    (root / "top.txt").write_text("top v1\n")
+    (root / ".dockerignore").write_text("# comment\nsrc/secret.txt\n")
+    inner = root / "inner.txt"
+    inner.write_text("from the archive\n")
+    with tarfile.open(root / "bundle.tar", "w") as tar:
+        tar.add(inner, arcname="inner.txt")
+    inner.unlink()
+    (root / "Dockerfile").write_text(dockerfile)
+    return root / "Dockerfile"
+
+
+DOCKERFILE = """ARG BASE=example/base:1
+FROM ${BASE}
+ARG WORD=built
+ENV APP_HOME=/srv/app PATH=/bin
+WORKDIR $APP_HOME
+COPY src/ ./src/
+COPY top.txt .
+ADD bundle.tar /opt/bundle/
+RUN echo "$WORD in $(pwd) as $(cat /etc/greeting)" > /etc/built && mkdir -p logs
+RUN ["/bin/sh", "-c", "echo json-form > /etc/json"]
+CMD ["bash"]
+EXPOSE 80
+"""
+
+
+@pytest.mark.skipif(not _bwrap_ok(), reason="bubblewrap cannot create namespaces here")
+def test_dockerfile_builds_over_a_store_image(tmp_path, base_store, monkeypatch):
+    from c2jax.rl.tasks import image_build
+    from c2jax.rl.tasks.image_build import build_image
+
+    dockerfile = _context(tmp_path / "ctx", DOCKERFILE)
+    image = build_image(dockerfile, store=base_store, cache_dir=tmp_path / "cache")
+    root = image.rootfs
+    assert (root / "srv/app/src/a.py").read_text() == "print('a')\n"
+    assert not (root / "srv/app/src/secret.txt").exists()  # .dockerignore
+    assert (root / "srv/app/top.txt").read_text() == "top v1\n"
+    assert (root / "opt/bundle/inner.txt").read_text() == "from the archive\n"  # ADD unpacks a local tar
+    assert (root / "etc/built").read_text() == "built in /srv/app as hello from the image\n"
+    assert (root / "etc/json").read_text() == "json-form\n" and (root / "srv/app/logs").is_dir()
+    assert not (root / "app/old.txt").exists() and (root / "opq/y.txt").exists()  # the base's whiteouts hold
+    assert image.config.workdir == "/srv/app" and image.config.env["APP_HOME"] == "/srv/app"
+    assert image.config.cmd == ("bash",)
+
+    # cached by content: the same Dockerfile and context build once
+    monkeypatch.setattr(image_build, "_run", lambda *a: pytest.fail("built again"))
+    assert build_image(dockerfile, store=base_store, cache_dir=tmp_path / "cache") == image
+    monkeypatch.undo()
+    # a changed file the build copies, or a build argument, is another image
+    (tmp_path / "ctx" / "top.txt").write_text("top v2\n")
+    changed = build_image(dockerfile, store=base_store, cache_dir=tmp_path / "cache")
+    assert changed.digest != image.digest and (changed.rootfs / "srv/app/top.txt").read_text() == "top v2\n"
+    hello = build_image(dockerfile, store=base_store, cache_dir=tmp_path / "cache", build_args={"WORD": "hello"})
+    assert (hello.rootfs / "etc/built").read_text().startswith("hello in /srv/app")
+    # and the built image runs like any other
+    with ImageContainer(hello, tmp_path / "state") as box:
+        res = box.exec('cat /etc/json; echo "$APP_HOME $(pwd)"')
+        assert res.stdout == "json-form\n/srv/app /srv/app\n", res.stderr
+
+
+@pytest.mark.skipif(not _bwrap_ok(), reason="bubblewrap cannot create namespaces here")
+@pytest.mark.parametrize("dockerfile, why", [
+    ("FROM example/base:1 AS a\nRUN true\nFROM example/base:1\n", "multi-stage build"),
+    ("FROM example/base:1\nCOPY --from=builder /x /y\n", "line 2: COPY --from"),
+    ("FROM example/base:1\nRUN --mount=type=cache,target=/c true\n", "line 2: RUN --mount"),
+    ("FROM example/base:1\nADD https://example.com/x.tar /x\n", "line 2: ADD of a URL"),
+    ("FROM example/missing:2\n", "base image 'example/missing:2' is not in the image store"),
+    ("FROM example/base:1\nWORKDIR /w\nRUN echo failing step; exit 3\n",
+     "line 3: RUN: exited with status 3:\nfailing step"),
+    ("FROM example/base:1\nCOPY nothere.txt /x\n", "line 2: COPY source 'nothere.txt' not found"),
+    ("FROM example/base:1\nCOPY ../outside /x\n", "outside the build context"),
+])
+def test_dockerfile_refusals_name_the_line(tmp_path, base_store, dockerfile, why):
+    from c2jax.rl.tasks.image_build import ImageBuildError, build_image
+
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / "Dockerfile").write_text(dockerfile)
+    with pytest.raises(ImageBuildError, match=why.replace("(", r"\(")):
+        build_image(tmp_path / "ctx" / "Dockerfile", store=base_store, cache_dir=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").glob("built-*")]  # nothing half-built is cached
+
+
+@pytest.mark.skipif(not _bwrap_ok(), reason="bubblewrap cannot create namespaces here")
+def test_harbor_task_whose_dockerfile_builds_over_a_store_image(tmp_path, base_store, monkeypatch):
+    """A Harbor task whose Dockerfile RUNs build steps (which mounting the context cannot reproduce) is built
+    over its base from the image store and run in the result: the oracle resolves it, nop scores 0; without
+    the base in the store the task is refused, with the Dockerfile's line and the missing image named."""
+    from c2jax.rl.eval import EvalConfig, evaluate
+    from c2jax.rl.eval.agents import scripted_factory
+    from c2jax.rl.tasks.build import sandbox_factory
+    from c2jax.rl.tasks.task import load_task
+
+    task_dir = tmp_path / "tasks" / "built-task"
+    for d in ("tests", "solution", "environment"):
+        (task_dir / d).mkdir(parents=True)
+    (task_dir / "environment" / "Dockerfile").write_text(
+        "FROM example/base:1\nWORKDIR /app\nCOPY app.txt .\nRUN echo built > /etc/built && mkdir -p /app/out\n")
+    (task_dir / "environment" / "app.txt").write_text("payload\n")
+    (task_dir / "task.toml").write_text('schema_version = "1.1"\n[verifier]\ntimeout_sec = 60.0\n')
+    (task_dir / "instruction.md").write_text("Copy app.txt to out/result.txt.\n")
+    (task_dir / "solution" / "solve.sh").write_text("cp app.txt out/result.txt\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif [ "$(cat out/result.txt)" = payload ] && [ "$(cat /etc/built)" = built ]; '
+        "then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
+
+    monkeypatch.setenv("C2JAX_IMAGE_STORE", str(tmp_path / "empty-store"))
+    refused = load_task(task_dir)
+    assert "line 4: RUN" in refused.unsupported_reason and "example/base:1" in refused.unsupported_reason
+
+    monkeypatch.setenv("C2JAX_IMAGE_STORE", str(base_store))
+    monkeypatch.setenv("C2JAX_IMAGE_CACHE", str(tmp_path / "cache"))
+    task = load_task(task_dir)
+    assert task.unsupported_reason is None and task.environment.workdir == "/app"
+    scores = {}
+    for mode in ("oracle", "nop"):
+        res = evaluate([task], scripted_factory(mode), 1, config=EvalConfig(sandbox="bwrap", concurrency=1),
+                       sandbox_factory=sandbox_factory("bwrap"), progress=False)
+        (r,) = res.results
+        scores[mode] = (r.status, r.reward, r.error)
+    assert scores["oracle"][:2] == ("resolved", 1.0), scores
+    assert scores["nop"][:2] == ("unresolved", 0.0), scores
+    assert len(list((tmp_path / "cache").glob("built-*"))) == 1  # built once for every sandbox of the run

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import sys
 from collections.abc import Callable
@@ -91,8 +92,9 @@ class BackendFactory:
             raise ValueError("a sandbox with the host network was asked of a factory whose run does not "
                              "allow the network (allow_network: false)")
         image_source = options.pop("image_source", None)
+        image_build = options.pop("image_build", None)
         if self.kind == "local":
-            if image_source is not None:
+            if image_source is not None or image_build is not None:
                 raise ValueError(f"the task runs in the container image {image_source}, which needs the bwrap "
                                  "sandbox (sandbox: bwrap), not the unisolated local one")
             from c2jax.rl.sandbox import LocalSandbox
@@ -100,11 +102,17 @@ class BackendFactory:
             return LocalSandbox(repo, allow_unisolated=True, **options)
         from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
-        if image_source is not None:
+        if image_source is not None or image_build is not None:
             from c2jax.rl.sandbox.base import WORKSPACE
-            from c2jax.rl.sandbox.oci import image_cache_dir, load_image
+            from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV, image_cache_dir, load_image
 
-            image = load_image(image_source, image_cache_dir())
+            if image_build is not None:  # built once per content, then cached (c2jax.rl.tasks.image_build)
+                from c2jax.rl.tasks.image_build import build_image
+
+                image = build_image(image_build, store=os.environ.get(IMAGE_STORE_ENV), cache_dir=image_cache_dir(),
+                                    network=self.allow_network)
+            else:
+                image = load_image(image_source, image_cache_dir())
             # the workspace is what the image holds at the working directory (empty when it holds nothing)
             workdir = options.get("workdir", WORKSPACE)
             seed = image.rootfs / workdir.lstrip("/")

@@ -72,6 +72,7 @@ class TaskEnvironment:
     verifier_env: dict[str, str] = field(default_factory=dict)
     solution_env: dict[str, str] = field(default_factory=dict)
     image: str | None = None  # a saved container image (c2jax.rl.sandbox.oci) found for `docker_image`
+    dockerfile: str | None = None  # a Dockerfile built over a store image (c2jax.rl.tasks.image_build)
 
     def limits(self) -> Limits | None:
         """The sandbox limits the task asks for, or None when it sets none of cpus/memory/storage."""
@@ -118,6 +119,8 @@ class TaskEnvironment:
             options["limits"] = limits
         if self.image is not None:
             options["image_source"] = self.image
+        if self.dockerfile is not None:
+            options["image_build"] = self.dockerfile
         return options
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +179,19 @@ def _load_harbor(path: Path) -> Task:
     elif (env_dir / "repo").is_dir():
         repo_dir = env_dir / "repo"
     elif dockerfile.is_file() or docker.compose_reason(env_dir):
-        unsupported = unsupported or docker.compose_reason(env_dir) or docker.unsupported_reason(dockerfile)
+        plain = docker.compose_reason(env_dir) or docker.unsupported_reason(dockerfile)
+        if plain is not None and unsupported is None and not docker.compose_reason(env_dir):
+            # a Dockerfile that builds something: built over its base image when the image store holds it
+            from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV
+            from c2jax.rl.tasks.image_build import buildable_reason
+
+            why = buildable_reason(dockerfile, os.environ.get(IMAGE_STORE_ENV))
+            if why is None:
+                environment = dataclasses.replace(environment, dockerfile=str(dockerfile))
+                plain = None
+            else:
+                plain = f"{plain}; and it cannot be built here: {why}"
+        unsupported = unsupported or plain
         repo_dir = env_dir
     elif env_dir.is_dir():
         repo_dir = env_dir
