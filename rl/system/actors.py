@@ -287,9 +287,7 @@ class LearnerGroup:
     def result(self, ref, timeout: float) -> dict:
         """The step's metrics (process 0's: the step's outputs are replicated) with the weight packet's
         sync stats summed over the processes and each process's bytes (`sync/bytes/p<i>`)."""
-        import ray
-
-        outs = ray.get(self._pending.pop(ref), timeout=timeout)
+        outs = self._gather(self._pending.pop(ref), timeout, "train")
         merged = dict(outs[0])
         if len({(o.get("loss"), o.get("policy_version")) for o in outs}) != 1:
             raise RuntimeError(f"the learner processes disagree on the step: {[o.get('loss') for o in outs]}")
@@ -306,13 +304,34 @@ class LearnerGroup:
         merged["learner/step_s"] = float(max(o.get("learner/step_s", 0.0) for o in outs))
         return merged
 
+    def _gather(self, refs: list, timeout: float, what: str) -> list:
+        """Every process's result of one call, failing as soon as one process's call fails (a dead process's
+        call fails at once; the survivors would wait in a collective until the heartbeat timeout)."""
+        import ray
+
+        index = {r: i for i, r in enumerate(refs)}
+        out, pending, deadline = [None] * len(refs), list(refs), time.monotonic() + timeout
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not done:
+                raise TimeoutError(f"learner processes {sorted(index[r] for r in pending)} did not finish `{what}` "
+                                   f"within {timeout:.0f} s")
+            i = index[done[0]]
+            try:
+                out[i] = ray.get(done[0])
+            except Exception as e:  # noqa: BLE001 -- RayActorError (died), task error
+                raise RuntimeError(
+                    f"learner process {i} of {len(refs)} failed in `{what}` ({type(e).__name__}: {str(e)[:300]}); "
+                    "a jax.distributed group cannot go on without it. Rerun with resume=true to restart the "
+                    "group from its last checkpoint") from e
+        return out
+
     def packet(self, version: int) -> list:
         return [a.packet.remote(version) for a in self.actors]
 
-    def full_weights(self, timeout: float | None = None) -> dict[str, np.ndarray]:
-        import ray
-
-        return ray.get([a.full_weights.remote() for a in self.actors], timeout=timeout)[0]
+    def full_weights(self, timeout: float = 600.0) -> dict[str, np.ndarray]:
+        """The whole weights, gathered across the processes."""
+        return self._gather([a.full_weights.remote() for a in self.actors], timeout, "full_weights")[0]
 
     def shutdown(self) -> None:
         import ray
