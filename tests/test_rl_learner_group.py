@@ -171,6 +171,7 @@ def group_run(ray_cluster, tmp_path_factory):
 
     from c2jax.rl.system.actors import LearnerGroup, RolloutWorker
     from c2jax.rl.system.backends import RLLearner
+    from c2jax.rl.system.reconciler import run_system
 
     assert len(jax.devices()) == 8
     tmp = tmp_path_factory.mktemp("group")
@@ -208,6 +209,15 @@ def group_run(ray_cluster, tmp_path_factory):
         learner_w = group.full_weights(timeout=240)
         packets = [ray_get(r) for r in chain.payloads()[-1]]
         seconds["2 processes, 4 steps"] = time.perf_counter() - t
+        # the same group in a whole run (run_system): engine samplers assemble its shard packets
+        t = time.perf_counter()
+        run = run_system(load_system_config(None, [
+            *TINY, f"output_dir={tmp}", "name=run", "backend.policy=engine", "learner.num_processes=2",
+            f"system.steps={STEPS + 2}", "system.group_size=4", "system.groups_per_step=2",
+            "system.num_rollout_workers=1", "env.gen_len=4", "env.prompt_len=2", "engine.slots=8",
+            "engine.max_len=16", "engine.chunk_steps=2", "engine.key_bucket=16", "engine.min_prompt_bucket=2",
+            "system.max_staleness=1"]), learner=group)
+        seconds["run_system, 2 steps"] = time.perf_counter() - t
         # kill -9 of one process: the step's call fails at once, naming it (not after the heartbeat timeout)
         os.kill(group.pids[1], signal.SIGKILL)
         t = time.perf_counter()
@@ -220,7 +230,7 @@ def group_run(ray_cluster, tmp_path_factory):
           f"steps 2-4 of the group {np.mean(step_s[1:]):.2f} s each")
     return dict(ref=ref, two=two, synced=synced, got=got, got_version=got_version, learner_w=learner_w,
                 one_w=one.weights(), w0_one=w0_one, w0_two=w0_two, packets=packets, chain=chain,
-                killed=str(killed.value), seconds=seconds)
+                killed=str(killed.value), seconds=seconds, run=run)
 
 
 def ray_get(ref):
@@ -292,26 +302,19 @@ def test_shard_owners_spread_replicas_over_processes_and_cover_every_shard():
     assert shard_owner({((0, 2),): {1}, ((2, 4),): {0}}, 5) == {((0, 2),): 1, ((2, 4),): 0}
 
 
-def test_a_run_with_a_learner_group_trains_and_its_samplers_load_the_learners_weights(ray_cluster, tmp_path):
-    """run_system end to end with learner.num_processes=2: InferenceEngine samplers assemble the shard
-    packets; on step 1 (version-0 tokens, version-0 weights) the learner's logprobs reproduce the sampler's."""
-    from c2jax.rl.system.reconciler import run_system
-
-    cfg = load_system_config(None, [
-        *TINY, f"output_dir={tmp_path}", "name=e2e", "backend.policy=engine", "learner.num_processes=2",
-        "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK", "system.steps=2",
-        "system.group_size=8", "system.groups_per_step=4", "system.num_rollout_workers=1", "env.gen_len=4",
-        "env.prompt_len=2", "engine.slots=8", "engine.max_len=16", "engine.chunk_steps=2", "engine.key_bucket=16",
-        "engine.min_prompt_bucket=2", "system.max_staleness=1"])
-    out = run_system(cfg)
-    assert out["version"] == 2 and out["worker_synced_versions"] == [2]
-    first = out["history"][0]
-    assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
-    for row in out["history"]:
-        assert row["tokens_trained"] == 4 * 8 * 4 and np.isfinite(row["loss"])
-        assert row["sync/bytes/p0"] > 0 and row["sync/bytes/p1"] > 0
-
-
 def test_a_killed_learner_process_fails_the_step_at_once_with_a_clear_error(group_run):
     assert "resume=true" in group_run["killed"], group_run["killed"]
     assert group_run["seconds"]["kill detected"] < 10, group_run["seconds"]  # heartbeat timeout: 30 s
+
+
+def test_a_run_with_a_learner_group_trains_and_its_samplers_load_the_learners_weights(group_run):
+    """run_system with the group (at version 4): InferenceEngine samplers assemble the shard packets; the
+    first batch was sampled with the learner's own weights, so the learner's logprobs reproduce the
+    sampler's (router replay on)."""
+    out = group_run["run"]
+    assert out["start_version"] == STEPS and out["version"] == STEPS + 2 and out["worker_synced_versions"] == [STEPS + 2]
+    first = out["history"][0]
+    assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
+    for row in out["history"]:
+        assert row["tokens_trained"] == 2 * 4 * 4 and np.isfinite(row["loss"])
+        assert row["sync/bytes/p0"] > 0 and row["sync/bytes/p1"] > 0

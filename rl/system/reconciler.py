@@ -35,8 +35,10 @@ from c2jax.rl.system.weight_sync import WeightChain
 
 
 class Reconciler:
-    def __init__(self, cfg: RLSystemConfig, *, on_step: Callable | None = None, console=None):
+    def __init__(self, cfg: RLSystemConfig, *, on_step: Callable | None = None, console=None, learner=None):
         self.cfg, self.on_step, self.console = cfg, on_step, console
+        # a learner handle the caller built and owns (SingleLearner / LearnerGroup), or None: start spawns one
+        self._given_learner = learner
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.counts = collections.Counter()
@@ -107,7 +109,7 @@ class Reconciler:
         tag = uuid.uuid4().hex[:6]
         self.env_workers = [spawn_env_worker(cfg, task_dirs, f"env-{tag}-{i}") for i in range(sc.num_env_workers)]
         # one Learner actor, or a group of learner.num_processes actors in one jax.distributed job
-        self.learner = spawn_learner(cfg, str(self.run_dir), tag)
+        self.learner = self._given_learner or spawn_learner(cfg, str(self.run_dir), tag)
         self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self.train_prompts, f"rollout{i}",
                               name=f"rollout-{tag}-{i}", cpus=cfg.ray.rollout_cpus, gpus=cfg.ray.rollout_gpus,
                               concurrency=sc.groups_per_worker + 3) for i in range(sc.num_rollout_workers)]
@@ -115,7 +117,8 @@ class Reconciler:
         if cfg.eval.every > 0:
             self.evaluator = spawn(Evaluator, cfg, self.env_workers, self.eval_prompts, "evaluator",
                                    name=f"evaluator-{tag}", cpus=cfg.ray.rollout_cpus, concurrency=2)
-        self.actors = [*self.env_workers, *self.learner.actors, *self.workers] + ([self.evaluator] if self.evaluator else [])
+        own = [] if self._given_learner is not None else self.learner.actors
+        self.actors = [*self.env_workers, *own, *self.workers] + ([self.evaluator] if self.evaluator else [])
         version_ref, packet_ref = self.learner.start(cfg.resume)
         self.version = self.start_version = ray.get(version_ref, timeout=max(sc.call_timeout_s, 600))
         self.chain.add(self.version, "full", packet_ref)
@@ -402,12 +405,15 @@ class Reconciler:
             except Exception:  # noqa: BLE001 -- already gone
                 pass
         self.actors = []
-        if getattr(self, "learner", None) is not None:
+        if getattr(self, "learner", None) is not None and self._given_learner is None:
             self.learner.shutdown()  # a learner group's placement group
 
 
-def run_system(cfg: RLSystemConfig, *, on_step=None, dashboard=None) -> dict:
-    rec = Reconciler(cfg, on_step=on_step)
+def run_system(cfg: RLSystemConfig, *, on_step=None, dashboard=None, learner=None) -> dict:
+    """One RL run. `learner`: an already running learner handle (actors.SingleLearner / LearnerGroup) whose
+    model and learner config match `cfg`'s, which the run uses from its current version and leaves running;
+    None: the run spawns its own from `cfg`."""
+    rec = Reconciler(cfg, on_step=on_step, learner=learner)
     try:
         rec.start()
         out = rec.run(dashboard)
