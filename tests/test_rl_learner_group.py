@@ -188,7 +188,11 @@ def group_run(ray_cluster, tmp_path_factory):
         one = RLLearner(cfg1, cfg1.run_dir)
         w0_one = one.weights()
         rows = [len(b.input_ids) for b in batches]  # 8 or 16
-        ref = [one.train(one.global_batch(b, tuple(range(r)), r)) for b, r in zip(batches, rows)]
+        ref, one_s = [], []
+        for b, r in zip(batches, rows):
+            t1 = time.perf_counter()
+            ref.append(one.train(one.global_batch(b, tuple(range(r)), r)))
+            one_s.append(time.perf_counter() - t1)
         seconds["1 process, 4 steps"] = time.perf_counter() - t
         t = time.perf_counter()
         worker = RolloutWorker(cfg2, [], {}, "w")  # the rollout side's code, in this process
@@ -227,7 +231,9 @@ def group_run(ray_cluster, tmp_path_factory):
     finally:
         group.shutdown()
     print("\n" + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
-          f"steps 2-4 of the group {np.mean(step_s[1:]):.2f} s each")
+          f"; steps 2-4: 1 x 8 {np.mean(one_s[1:]):.3f} s each, 2 x 4 {np.mean(step_s[1:]):.3f} s each (rl_step, "
+          "encoding and, for the group, Ray calls); bytes sent per packet by process 0 / 1: " +
+          ", ".join(f"v{m['sync/stats_version']:.0f} {m['sync/bytes/p0']:.0f} / {m['sync/bytes/p1']:.0f}" for m in two))
     return dict(ref=ref, two=two, synced=synced, got=got, got_version=got_version, learner_w=learner_w,
                 one_w=one.weights(), w0_one=w0_one, w0_two=w0_two, packets=packets, chain=chain,
                 killed=str(killed.value), seconds=seconds, run=run)
