@@ -138,7 +138,7 @@ def _batches(seed: int):
         groups = []
         for g in range(4):
             rollouts = []
-            for r in range(4):
+            for _ in range(4):
                 n = int(rng.integers(4, 9))
                 toks = rng.integers(0, 16, n).tolist()
                 rollouts.append(Rollout([{"tokens": toks, "loss_mask": [0] + [1] * (n - 1),
@@ -318,7 +318,8 @@ def test_a_run_with_a_learner_group_trains_and_its_samplers_load_the_learners_we
     first batch was sampled with the learner's own weights, so the learner's logprobs reproduce the
     sampler's (router replay on)."""
     out = group_run["run"]
-    assert out["start_version"] == STEPS and out["version"] == STEPS + 2 and out["worker_synced_versions"] == [STEPS + 2]
+    assert out["start_version"] == STEPS and out["version"] == STEPS + 2
+    assert out["worker_synced_versions"] == [STEPS + 2]
     first = out["history"][0]
     assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
     for row in out["history"]:

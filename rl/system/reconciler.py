@@ -92,8 +92,8 @@ class Reconciler:
 
         cfg, sc = self.cfg, self.cfg.system
         init_ray(num_cpus=cfg.ray.num_cpus, address=cfg.ray.address)  # no-op when Ray is already up
-        need = cfg.ray.learner_cpus * cfg.learner.num_processes + sc.num_env_workers * cfg.ray.env_cpus + cfg.ray.rollout_cpus * (
-            sc.num_rollout_workers + (cfg.eval.every > 0))
+        need = (cfg.ray.learner_cpus * cfg.learner.num_processes + sc.num_env_workers * cfg.ray.env_cpus
+                + cfg.ray.rollout_cpus * (sc.num_rollout_workers + (cfg.eval.every > 0)))
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have + 1e-9:
             raise ValueError(f"the actors need {need:g} logical CPUs (ray.learner_cpus x learner.num_processes, "

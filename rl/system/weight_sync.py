@@ -254,8 +254,9 @@ class ShardSet:
                                   "in a multi-process learner's chain?)")
         n = shards[0].num_processes if num_processes is None else num_processes
         if {s.num_processes for s in shards} != {n} or [s.process_index for s in shards] != list(range(n)):
+            counts = sorted({s.num_processes for s in shards})
             raise WeightSyncError(f"shard packets v{shards[0].version} come from processes "
-                                  f"{[s.process_index for s in shards]} of {sorted({s.num_processes for s in shards})}; "
+                                  f"{[s.process_index for s in shards]} of {counts}; "
                                   f"a set needs exactly one from each of processes 0..{n - 1}")
         heads = {(s.version, s.kind, s.base_version) for s in shards}
         if len(heads) != 1:
