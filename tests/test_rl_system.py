@@ -344,6 +344,19 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
     for mode, (start, end) in rises.items():
         assert start < 0.15 and end > 0.3 and end > start + 0.2, (mode, rises)
 
+    # `c2jax eval --agent checkpoint RUN_DIR` serves the RL run's newest checkpoint: the trained policy (the last
+    # run's), whose held-out samples are mostly the target token, where the initial policy's are ~1/16
+    from c2jax.rl.eval.agents import load_checkpoint_engine
+    from c2jax.rl.system.envs import target_prompts
+
+    engine, _, version = load_checkpoint_engine(cfg.run_dir)
+    assert version == 10
+    prompts = target_prompts(cfg.env, cfg.model.vocab_size, cfg.seed, held_out=True)
+    hits = [np.mean(np.asarray(engine.generate_tokens(p, max_new_tokens=cfg.env.gen_len, stop_token_ids=[],
+                                                      seed=i).token_ids) == cfg.env.target_token)
+            for i, p in enumerate(prompts.values())]
+    assert float(np.mean(hits)) > 0.3, hits
+
 
 def test_router_replay_switch():
     base = ["model.preset=tiny", "model.num_hidden_layers=2"]

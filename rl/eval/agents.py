@@ -8,7 +8,7 @@
   scripted noop     (or `nop`, Harbor's name) submits without doing anything: must score 0% (the base
                     repository fails).
   openai URL        `c2jax.rl.harness.OpenAIAgent` against any OpenAI-compatible endpoint.
-  checkpoint PATH   a c2jax pretraining run directory (config.yaml + checkpoints/), served by one
+  checkpoint PATH   a c2jax pretraining or RL run directory (config.yaml + checkpoints/), served by one
                     `InferenceEngine` behind a lock and sampled through `SamplerAgent`.
 """
 
@@ -126,7 +126,10 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "checkpoints").is_dir():
         raise ValueError(f"checkpoint agent: {run_dir} is not a c2jax run directory (needs config.yaml and "
                          "checkpoints/)")
-    cfg = from_dict(PretrainConfig, load_yaml(run_dir / "config.yaml"))
+    data = load_yaml(run_dir / "config.yaml")
+    if isinstance(data, dict) and "rl" in data and "system" in data:
+        return _load_rl_run_engine(run_dir, data, step=step, max_len=max_len)
+    cfg = from_dict(PretrainConfig, data)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     steps = ckpt.steps()
     if not steps:
@@ -150,13 +153,49 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     return engine, tokenizer, chosen
 
 
+def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
+    """(engine, tokenizer, version) from a c2jax RL run (`c2jax rl`, the demo's RL stage): the learner's
+    newest Orbax checkpoint, restored as the learner restores it, and the RL system's chat tokenizer."""
+    from flax import nnx
+
+    from c2jax.config import from_dict
+    from c2jax.models.inference import EngineConfig, InferenceEngine
+    from c2jax.models.transformer import init
+    from c2jax.rl.system.backends import RLLearner
+    from c2jax.rl.system.config import RLSystemConfig
+    from c2jax.rl.system.envs import byte_tokenizer
+
+    cfg = from_dict(RLSystemConfig, data)
+    if cfg.backend.learner != "rl":
+        raise ValueError(f"checkpoint agent: {run_dir} ran the {cfg.backend.learner!r} learner, which has no model")
+    learner = RLLearner(cfg, run_dir)
+    try:
+        versions = learner.ckpt.steps()
+        if not versions:
+            raise ValueError(f"checkpoint agent: {run_dir / 'checkpoints'} holds no checkpoint")
+        if step >= 0 and step != versions[-1]:
+            raise ValueError(f"checkpoint agent: an RL run restores its newest checkpoint ({versions[-1]}); "
+                             f"step {step} was asked")
+        version = learner.restore()
+        graphdef = nnx.split(nnx.eval_shape(lambda: init(cfg.model, seed=0)), nnx.Param, ...)[0]
+        model = nnx.merge(graphdef, learner.state.params, learner.state.model_state)
+    finally:
+        learner.ckpt.close()
+    tokenizer = byte_tokenizer()
+    engine = InferenceEngine.from_model(model, config=EngineConfig(max_len=max_len), version=version,
+                                        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    return engine, tokenizer, version
+
+
 def checkpoint_factory(cfg: AgentConfig) -> AgentFactory:
     from c2jax.rl.harness import ChatRenderer, SamplerAgent, add_chat_special_tokens
 
     engine, data_tokenizer, step = load_checkpoint_engine(cfg.target, step=cfg.step)
     # the chat renderer works on a Hugging Face `tokenizers.Tokenizer` (token-in/token-out with special
     # tokens); c2jax's HF wrapper holds one, the bytes and tiktoken tokenizers have none
-    tokenizer = getattr(data_tokenizer, "_tok", None)
+    from tokenizers import Tokenizer
+
+    tokenizer = data_tokenizer if isinstance(data_tokenizer, Tokenizer) else getattr(data_tokenizer, "_tok", None)
     if tokenizer is None:
         raise ValueError(f"checkpoint agent: the run's tokenizer {data_tokenizer.name!r} is not a Hugging Face "
                          "tokenizer.json; the chat renderer needs one (train with data.tokenizer=PATH/tokenizer.json)")
