@@ -288,7 +288,8 @@ def compiled_memory(model: ModelConfig, mesh: MeshConfig, seq_len: int, global_b
 def format_plan(name: str, p: Plan, seq_len: int, global_batch: int) -> str:
     gb = lambda n: f"{n / 1e9:9.2f} GB"
     mesh = " ".join(f"{k}={v}" for k, v in p.mesh.items())
-    adam = "(2 x fp32)" if not p.optimizer_host_bytes else f"(offloaded: {p.optimizer_host_bytes / 1e9:.2f} GB on the host)"
+    adam = ("(2 x fp32)" if not p.optimizer_host_bytes
+            else f"(offloaded: {p.optimizer_host_bytes / 1e9:.2f} GB on the host)")
     lines = [
         f"plan             {name}  mesh {mesh}  ({math.prod(p.mesh.values())} devices)",
         f"step             global batch {global_batch} x seq {seq_len}; {p.tokens_per_device:,} tokens per device",
@@ -470,7 +471,7 @@ def run(args) -> int:
             errors.append(f"{label or args.source} (seq {seq}, batch {batch}): {e}")
     checks = {}
     if args.check:
-        for label, seq, batch, p in plans:
+        for label, seq, batch, _ in plans:
             checks[label] = compiled_memory(src.model, mesh, seq, batch)
     if args.json:
         rows = [dataclasses.asdict(p) | {"label": label, "seq": seq, "batch": batch,

@@ -31,7 +31,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # Modules with the longest runs first (measured, cold cache): `make test` runs the suite on two xdist
 # workers a file at a time (`--dist loadfile`), and a long file started last would leave one worker idle
 # while the other finishes it. Within a module, the written order stands.
-_LONG_FIRST = ("test_multihost.py", "test_rl_learner_group.py", "test_pretrain.py", "test_notebooks.py", "test_demo.py", "test_rl_system.py",
+_LONG_FIRST = ("test_multihost.py", "test_rl_learner_group.py", "test_pretrain.py", "test_notebooks.py", "test_demo.py",
+               "test_rl_system.py",
                "test_plan.py", "test_gpu_check.py", "test_transformer.py",
                "test_parallel.py", "test_ablations.py", "test_kernels.py", "test_rl_learner.py")
 

@@ -8,7 +8,13 @@ from flax import nnx
 
 from c2jax.models.attention import attention_mask, dot_product_attention
 from c2jax.models.config import preset
-from c2jax.models.layers import lm_head_cross_entropy, lm_head_loss, loss_chunk_tokens, softmax_cross_entropy, swiglu
+from c2jax.models.layers import (
+    lm_head_cross_entropy,
+    lm_head_loss,
+    loss_chunk_tokens,
+    softmax_cross_entropy,
+    swiglu,
+)
 from c2jax.models.transformer import init
 
 

@@ -301,13 +301,26 @@ def _host_tools_layer(names) -> list:
     return entries
 
 
+def _oracle_resolves_and_nop_scores_zero(task) -> None:
+    from c2jax.rl.eval import EvalConfig, evaluate
+    from c2jax.rl.eval.agents import scripted_factory
+    from c2jax.rl.tasks.build import sandbox_factory
+
+    scores = {}
+    for mode in ("oracle", "nop"):
+        res = evaluate([task], scripted_factory(mode), 1, config=EvalConfig(sandbox="bwrap", concurrency=1),
+                       sandbox_factory=sandbox_factory("bwrap"), progress=False)
+        (r,) = res.results
+        scores[mode] = (r.status, r.reward, r.error)
+    assert scores["oracle"][:2] == ("resolved", 1.0), scores
+    assert scores["nop"][:2] == ("unresolved", 0.0), scores
+
+
 @pytest.mark.skipif(not _bwrap_ok(), reason="bubblewrap cannot create namespaces here")
 def test_harbor_task_with_a_docker_image_from_the_store(tmp_path, monkeypatch):
     """A Harbor task naming `docker_image` runs in that image once the image store holds it: the oracle
     resolves it (its solve.sh and the verifier's test.sh see the image's files at its WORKDIR and its /etc), the
     nop agent scores 0; without the image in the store the task is refused, naming the image and the store."""
-    from c2jax.rl.eval import EvalConfig, evaluate
-    from c2jax.rl.eval.agents import scripted_factory
     from c2jax.rl.tasks.build import sandbox_factory
     from c2jax.rl.tasks.task import load_task
 
@@ -336,14 +349,7 @@ def test_harbor_task_with_a_docker_image_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("C2JAX_IMAGE_CACHE", str(tmp_path / "cache"))
     task = load_task(task_dir)
     assert task.unsupported_reason is None and task.environment.workdir == "/app"
-    scores = {}
-    for mode in ("oracle", "nop"):
-        res = evaluate([task], scripted_factory(mode), 1, config=EvalConfig(sandbox="bwrap", concurrency=1),
-                       sandbox_factory=sandbox_factory("bwrap"), progress=False)
-        (r,) = res.results
-        scores[mode] = (r.status, r.reward, r.error)
-    assert scores["oracle"][:2] == ("resolved", 1.0), scores
-    assert scores["nop"][:2] == ("unresolved", 0.0), scores
+    _oracle_resolves_and_nop_scores_zero(task)
     with pytest.raises(ValueError, match="needs the bwrap sandbox"):
         sandbox_factory("local")(task.repo_dir, **task.environment.sandbox_options("agent"))
 
@@ -450,9 +456,6 @@ def test_harbor_task_whose_dockerfile_builds_over_a_store_image(tmp_path, base_s
     """A Harbor task whose Dockerfile RUNs build steps (which mounting the context cannot reproduce) is built
     over its base from the image store and run in the result: the oracle resolves it, nop scores 0; without
     the base in the store the task is refused, with the Dockerfile's line and the missing image named."""
-    from c2jax.rl.eval import EvalConfig, evaluate
-    from c2jax.rl.eval.agents import scripted_factory
-    from c2jax.rl.tasks.build import sandbox_factory
     from c2jax.rl.tasks.task import load_task
 
     task_dir = tmp_path / "tasks" / "built-task"
@@ -476,12 +479,5 @@ def test_harbor_task_whose_dockerfile_builds_over_a_store_image(tmp_path, base_s
     monkeypatch.setenv("C2JAX_IMAGE_CACHE", str(tmp_path / "cache"))
     task = load_task(task_dir)
     assert task.unsupported_reason is None and task.environment.workdir == "/app"
-    scores = {}
-    for mode in ("oracle", "nop"):
-        res = evaluate([task], scripted_factory(mode), 1, config=EvalConfig(sandbox="bwrap", concurrency=1),
-                       sandbox_factory=sandbox_factory("bwrap"), progress=False)
-        (r,) = res.results
-        scores[mode] = (r.status, r.reward, r.error)
-    assert scores["oracle"][:2] == ("resolved", 1.0), scores
-    assert scores["nop"][:2] == ("unresolved", 0.0), scores
+    _oracle_resolves_and_nop_scores_zero(task)
     assert len(list((tmp_path / "cache").glob("built-*"))) == 1  # built once for every sandbox of the run

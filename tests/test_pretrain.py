@@ -4,8 +4,8 @@ entropy of its data, and one run on a 2 x 2 mesh (HF init, Muon, the c2jax.data 
 reset, codebase NLL against transformers, HF export)."""
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys

@@ -62,9 +62,9 @@ def measure(preset_name: str, seq: int, remat: str, steps: int, mtp: bool = Fals
         times.append(time.perf_counter() - t)
     step_s = min(times)
     flops = training_flops_per_token(cfg, seq, include_mtp=mtp) * seq
-    return {"seq": seq, "remat": remat, "mtp": mtp, "params": param_counts(cfg).total, "compile_s": compile_s, "temp_bytes": temp, "peak_rss_gib": peak_rss_gib(),
-            "step_s": step_s, "tokens_per_s": seq / step_s, "model_flops_per_s": flops / step_s,
-            "loss": float(metrics["loss"])}
+    return {"seq": seq, "remat": remat, "mtp": mtp, "params": param_counts(cfg).total, "compile_s": compile_s,
+            "temp_bytes": temp, "peak_rss_gib": peak_rss_gib(), "step_s": step_s, "tokens_per_s": seq / step_s,
+            "model_flops_per_s": flops / step_s, "loss": float(metrics["loss"])}
 
 
 def main(argv=None) -> dict:

@@ -334,14 +334,9 @@ class LearnerGroup:
         return self._gather([a.full_weights.remote() for a in self.actors], timeout, "full_weights")[0]
 
     def shutdown(self) -> None:
-        import ray
         from ray.util.placement_group import remove_placement_group
 
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 -- already gone
-                pass
+        kill_actors(self.actors)
         self.actors = []
         try:
             remove_placement_group(self.pg)
@@ -518,6 +513,17 @@ def eval_scores(rewards, scores, k: int, success_threshold: float) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- spawning
+def kill_actors(actors) -> None:
+    """ray.kill every actor, without restarts; an actor already gone is skipped."""
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # noqa: BLE001 -- already gone
+            pass
+
+
 def spawn(cls, cfg: RLSystemConfig, *args, name: str, cpus: float, gpus: float = 0.0, concurrency: int = 1):
     import ray
 

@@ -23,7 +23,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from c2jax.rl.system.actors import Evaluator, RolloutWorker, spawn, spawn_env_worker, spawn_learner
+from c2jax.rl.system.actors import (
+    Evaluator,
+    RolloutWorker,
+    kill_actors,
+    spawn,
+    spawn_env_worker,
+    spawn_learner,
+)
 from c2jax.rl.system.cluster import init_ray
 from c2jax.rl.system.config import RLSystemConfig, save_system_config
 from c2jax.rl.system.curriculum import Curriculum
@@ -393,17 +400,11 @@ class Reconciler:
         return self._call_each_worker("info")
 
     def shutdown(self) -> None:
-        import ray
-
         if getattr(self, "store", None) is not None:
             self.store.close()
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 -- already gone
-                pass
+        kill_actors(self.actors)
         self.actors = []
         if getattr(self, "learner", None) is not None and self._given_learner is None:
             self.learner.shutdown()  # a learner group's placement group

@@ -168,24 +168,15 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
     context = Path(context) if context is not None else dockerfile.parent
     name = dockerfile.name
     steps = instructions(dockerfile.read_text(errors="replace"))
-    froms = [s for s in steps if s.word == "FROM"]
-    if len(froms) != 1:
-        raise ImageBuildError(f"{name}: " + ("no FROM" if not froms else
-                              f"multi-stage build (FROM at lines {', '.join(str(f.line) for f in froms)}) is not "
-                              "supported"))
-    ref = base_reference(dockerfile, build_args)
-    global_args: dict[str, str] = {}
-    for s in steps[:steps.index(froms[0])]:
-        for key, value in _assignments(s, dict(global_args)):
-            global_args[key] = (build_args or {}).get(key, value or "")
+    ref, global_args, at = _parse_from(dockerfile, steps, build_args)
     source = find_in_store(ref, store)
     if source is None:
-        raise ImageBuildError(f"{name} line {froms[0].line}: base image {ref!r} is not in the image store "
+        raise ImageBuildError(f"{name} line {steps[at].line}: base image {ref!r} is not in the image store "
                               f"{store or '(none set)'}: save it there as {store_name(ref)}.tar")
     cache_dir = Path(cache_dir)
     base = load_image(source, cache_dir)
     rules = _dockerignore(context)
-    body = steps[steps.index(froms[0]) + 1:]
+    body = steps[at + 1:]
     for s in body:  # refuse before anything runs
         _step(s, f"{name} line {s.line}")
 
@@ -261,17 +252,18 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
                  base.layers)
 
 
-def base_reference(dockerfile: str | os.PathLike, build_args: dict[str, str] | None = None) -> str:
-    """The image a single-stage Dockerfile builds FROM (global ARGs substituted); ImageBuildError otherwise."""
-    dockerfile = Path(dockerfile)
-    steps = instructions(dockerfile.read_text(errors="replace"))
+def _parse_from(dockerfile: Path, steps: list[Instruction], build_args: dict[str, str] | None
+                ) -> tuple[str, dict[str, str], int]:
+    """(the image a single-stage Dockerfile builds FROM, the global ARGs, the FROM's index in `steps`);
+    ImageBuildError for several FROMs, none, or anything but ARG before it."""
     froms = [s for s in steps if s.word == "FROM"]
     if len(froms) != 1:
         raise ImageBuildError(f"{dockerfile.name}: " + ("no FROM" if not froms else
                               f"multi-stage build (FROM at lines {', '.join(str(f.line) for f in froms)}) is not "
                               "supported"))
+    at = steps.index(froms[0])
     global_args: dict[str, str] = {}
-    for s in steps[:steps.index(froms[0])]:
+    for s in steps[:at]:
         if s.word != "ARG":
             raise ImageBuildError(f"{dockerfile.name} line {s.line}: only ARG may come before FROM, got {s.word}")
         for key, value in _assignments(s, dict(global_args)):
@@ -280,17 +272,22 @@ def base_reference(dockerfile: str | os.PathLike, build_args: dict[str, str] | N
              if not w.startswith("--platform")]
     if not words:
         raise ImageBuildError(f"{dockerfile.name} line {froms[0].line}: FROM names no image")
-    return words[0]
+    return words[0], global_args, at
+
+
+def base_reference(dockerfile: str | os.PathLike, build_args: dict[str, str] | None = None) -> str:
+    """The image a single-stage Dockerfile builds FROM (global ARGs substituted); ImageBuildError otherwise."""
+    dockerfile = Path(dockerfile)
+    return _parse_from(dockerfile, instructions(dockerfile.read_text(errors="replace")), build_args)[0]
 
 
 def buildable_reason(dockerfile: str | os.PathLike, store: str | os.PathLike | None) -> str | None:
     """None when `build_image` can build `dockerfile` with this store (base present, nothing refused); else why."""
     dockerfile = Path(dockerfile)
     try:
-        ref = base_reference(dockerfile)
         steps = instructions(dockerfile.read_text(errors="replace"))
-        body = steps[[s.word for s in steps].index("FROM") + 1:]
-        for s in body:
+        ref, _, at = _parse_from(dockerfile, steps, None)
+        for s in steps[at + 1:]:
             _step(s, f"{dockerfile.name} line {s.line}")
     except (ImageBuildError, ValueError) as e:
         return str(e)

@@ -805,7 +805,6 @@ def section_quantizers(ctx: Context) -> None:
 
 
 def section_train_medium(ctx: Context) -> None:
-    import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
