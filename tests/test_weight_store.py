@@ -7,11 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import uuid
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -63,36 +67,34 @@ class SyntheticLearner:
 
 
 FOLLOWER = textwrap.dedent("""
-    import hashlib, json, sys
-    import numpy as np
+    import json, pickle, sys
+    from pathlib import Path
     from c2jax.rl.system.packet_store import PacketFollower
 
-    def digest(weights):
-        h = hashlib.sha256()
-        for name in sorted(weights):
-            a = np.ascontiguousarray(weights[name])
-            h.update(f"{name}|{a.dtype.name}|{a.shape}|".encode())
-            h.update(a.tobytes())
-        return h.hexdigest()
-
     follower = PacketFollower(sys.argv[1])
+    polls = 0
     for line in sys.stdin:
         if line.strip() == "quit":
             break
         r = follower.poll()
+        polls += 1
+        out = None
+        if r.version >= 0:  # the rebuilt weights go back whole; the test digests them (one digest function)
+            out = str(Path(sys.argv[2]) / f"poll-{polls}.pkl")
+            Path(out).write_bytes(pickle.dumps(follower.weights))
         print(json.dumps({"version": r.version, "applied": r.applied, "skipped": r.skipped,
-                          "waiting": r.waiting_for_full,
-                          "digest": digest(follower.weights) if r.version >= 0 else None,
-                          "dtypes": {k: v.dtype.name for k, v in follower.weights.items()}}), flush=True)
+                          "waiting": r.waiting_for_full, "weights_file": out}), flush=True)
 """)
 
 
 class FollowerProcess:
-    """A separate Python process (no Ray, no shared memory) that knows only the store's directory."""
+    """A separate Python process (no Ray, no shared memory) that knows only the store's directory; it hands
+    its rebuilt weights back through files in a directory of its own."""
 
     def __init__(self, location: str):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen([sys.executable, "-c", FOLLOWER, location], stdin=subprocess.PIPE,
+        self.out = tempfile.mkdtemp(prefix="follower-")
+        self.proc = subprocess.Popen([sys.executable, "-c", FOLLOWER, location, self.out], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     def poll(self) -> dict:
@@ -101,13 +103,18 @@ class FollowerProcess:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"follower process died: {self.proc.stderr.read()}")
-        return json.loads(line)
+        report = json.loads(line)
+        weights = pickle.loads(Path(report["weights_file"]).read_bytes()) if report["weights_file"] else None
+        report["digest"] = digest(weights) if weights is not None else None
+        report["dtypes"] = {k: v.dtype.name for k, v in (weights or {}).items()}
+        return report
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
             self.proc.wait(timeout=30)
+        shutil.rmtree(self.out, ignore_errors=True)
 
 
 def packet_path(root, version: int) -> str:
