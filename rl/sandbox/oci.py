@@ -90,7 +90,7 @@ class _Blobs:
                 self._tar = tarfile.open(source)
             except tarfile.TarError as e:
                 raise ImageError(f"{source}: not an OCI layout directory or an image tar archive ({e})") from e
-            self._names = {PurePosixPath(m.name).as_posix().lstrip("./") if m.name != "." else ".": m
+            self._names = {PurePosixPath(m.name).as_posix().removeprefix("./"): m
                            for m in self._tar.getmembers() if m.isfile()}
         else:
             raise ImageError(f"{source}: no such image (expected an OCI layout directory or a `docker save` tar)")
