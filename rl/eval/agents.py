@@ -163,11 +163,15 @@ def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
     from c2jax.models.transformer import init
     from c2jax.rl.system.backends import RLLearner
     from c2jax.rl.system.config import RLSystemConfig
-    from c2jax.rl.system.envs import byte_tokenizer
+    from c2jax.rl.system.envs import chat_tokenizer
 
     cfg = from_dict(RLSystemConfig, data)
     if cfg.backend.learner != "rl":
         raise ValueError(f"checkpoint agent: {run_dir} ran the {cfg.backend.learner!r} learner, which has no model")
+    try:  # the run's env.tokenizer (bytes or a trained one), loaded before the checkpoint is restored
+        tokenizer = chat_tokenizer(cfg.env.tokenizer)
+    except ValueError as e:
+        raise ValueError(f"checkpoint agent: RL run {run_dir}: {e}") from None
     learner = RLLearner(cfg, run_dir)
     try:
         versions = learner.ckpt.steps()
@@ -181,7 +185,6 @@ def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
         model = nnx.merge(graphdef, learner.state.params, learner.state.model_state)
     finally:
         learner.ckpt.close()
-    tokenizer = byte_tokenizer()
     engine = InferenceEngine.from_model(model, config=EngineConfig(max_len=max_len), version=version,
                                         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     return engine, tokenizer, version

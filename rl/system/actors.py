@@ -18,7 +18,7 @@ import numpy as np
 
 from c2jax.rl.system.backends import make_learner, make_policy
 from c2jax.rl.system.config import RLSystemConfig
-from c2jax.rl.system.envs import EnvironmentHost, byte_tokenizer, run_ladder_episode, run_target_group
+from c2jax.rl.system.envs import EnvironmentHost, chat_tokenizer, run_ladder_episode, run_target_group
 from c2jax.rl.system.groups import Group
 from c2jax.rl.system.packet_store import PacketPublisher
 from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder, ShardedDeltaDecoder, ShardPacket, ShardSet
@@ -363,7 +363,7 @@ class RolloutWorker:
         if cfg.env.kind in ("ladder", "text"):
             from c2jax.rl.harness import ChatRenderer
 
-            self.renderer = ChatRenderer(byte_tokenizer())
+            self.renderer = ChatRenderer(chat_tokenizer(cfg.env.tokenizer))
             detok = self.renderer.decode
         self.policy = make_policy(cfg, detok)
         n = cfg.learner.num_processes

@@ -86,9 +86,14 @@ class EnvConfig:
     task ladder (rl/tasks/ladder.py) through the harness, tools and grader in sandboxes. `text`: single-turn
     text tasks from JSONL files (`{"id", "prompt", "reference"}` per line), the prompt rendered as a user
     message with the chat template or as raw text (`text_template`); the answer is compared with `reference`
-    (`text_match`)."""
+    (`text_match`). `tokenizer` picks the chat tokenizer of the `ladder` and `text` environments."""
 
     kind: Literal["target", "ladder", "text"] = "target"
+    # the chat tokenizer of `ladder` and `text` (prompts, tool results, grading, the eval checkpoint agent):
+    # "" = the byte-level tokenizer (256 byte tokens + the chat special tokens, 264 ids); otherwise a Hugging
+    # Face `tokenizers` JSON file (tokenizer.json) or a directory holding one, e.g. a trained BPE. The chat
+    # special tokens are added when missing; model.vocab_size must cover the result (checked at start)
+    tokenizer: str = ""
     num_prompts: int = 64
     eval_prompts: int = 8  # held out (different seed)
     prompt_len: int = 4

@@ -13,6 +13,7 @@ Sandbox interface), and the final diff is graded there in a fresh sandbox by c2j
 Episode sandboxes open through `open_task_sandbox`, as in `c2jax eval`: a task's task.toml workdir, env,
 limits, network policy (`env.allow_network`), Harbor's /logs and `[agent].timeout_sec` apply in training
 exactly as in evaluation, and the tools and system prompt name the task's working directory.
+`text` and `ladder` tokenize with `chat_tokenizer(env.tokenizer)`: the byte tokenizer, or a trained one.
 """
 
 from __future__ import annotations
@@ -120,6 +121,53 @@ def byte_tokenizer():
     return tok
 
 
+_CHAT_TOKENIZERS: dict[tuple[str, int], str] = {}  # (tokenizer.json, mtime_ns) -> JSON with the chat tokens
+_CHAT_TOKENIZERS_LOCK = threading.Lock()
+
+
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json that `env.tokenizer` names: the file itself, or `tokenizer.json` in a directory."""
+    path = Path(spec).expanduser()
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def tokenizer_name(spec: str = "") -> str:
+    """How errors name the chat tokenizer `env.tokenizer=spec` selects."""
+    return "the byte tokenizer" if not spec else f"the tokenizer {tokenizer_file(spec)} (env.tokenizer)"
+
+
+def chat_tokenizer(spec: str = ""):
+    """The chat tokenizer `env.tokenizer` selects: "" = `byte_tokenizer()`; otherwise a Hugging Face
+    `tokenizers` JSON file or a directory holding tokenizer.json, with the chat special tokens added (a no-op
+    for those already present). A missing or unreadable file is a ValueError naming env.tokenizer and the
+    path. Each call returns a new Tokenizer; the file is parsed once per (path, mtime)."""
+    from tokenizers import Tokenizer
+
+    from c2jax.rl.harness import add_chat_special_tokens
+
+    if not spec:
+        return byte_tokenizer()
+    path = tokenizer_file(spec)
+    try:
+        key = (str(path.resolve()), path.stat().st_mtime_ns)
+    except OSError as e:
+        raise ValueError(f"env.tokenizer: {path} is not readable ({e.strerror or e}); expected a Hugging Face "
+                         "tokenizer.json or a directory holding one") from None
+    with _CHAT_TOKENIZERS_LOCK:
+        text = _CHAT_TOKENIZERS.get(key)
+    if text is None:
+        try:
+            tok = Tokenizer.from_file(str(path))
+            add_chat_special_tokens(tok)
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on a bad file
+            raise ValueError(f"env.tokenizer: cannot load {path} as a Hugging Face tokenizer.json "
+                             f"({type(e).__name__}: {e})") from None
+        text = tok.to_str()
+        with _CHAT_TOKENIZERS_LOCK:
+            _CHAT_TOKENIZERS[key] = text
+    return Tokenizer.from_str(text)
+
+
 # ------------------------------------------------------------------------------ environment-worker side
 class EnvironmentHost:
     """What an environment worker runs: grading and, for agentic tasks, the episode sandboxes."""
@@ -156,7 +204,7 @@ class EnvironmentHost:
             raise KeyError(f"unknown text task {task_id!r}")
         self._sleep_delay()
         if self._renderer is None:
-            self._renderer = ChatRenderer(byte_tokenizer())
+            self._renderer = ChatRenderer(chat_tokenizer(self.cfg.tokenizer))
         end = self._renderer.im_end_id
         tokens = list(tokens)
         answer = self._renderer.decode(tokens[:tokens.index(end)] if end in tokens else tokens)

@@ -34,11 +34,29 @@ from c2jax.rl.system.actors import (
 from c2jax.rl.system.cluster import init_ray
 from c2jax.rl.system.config import RLSystemConfig, save_system_config
 from c2jax.rl.system.curriculum import Curriculum
-from c2jax.rl.system.envs import byte_tokenizer, ladder_tasks, load_text_tasks, target_prompts, text_prompts
+from c2jax.rl.system.envs import (
+    chat_tokenizer,
+    ladder_tasks,
+    load_text_tasks,
+    target_prompts,
+    text_prompts,
+    tokenizer_name,
+)
 from c2jax.rl.system.groups import Group, build_batch
 from c2jax.rl.system.staleness import StalenessManager, is_stale, oldest_allowed
 from c2jax.rl.system.store import GroupStore
 from c2jax.rl.system.weight_sync import WeightChain
+
+
+def check_tokenizer_vocab(cfg: RLSystemConfig):
+    """The chat tokenizer `env.tokenizer` selects (loading it fails here, on the driver, naming the path);
+    a ValueError naming it when a sampling model's `model.vocab_size` cannot hold its ids."""
+    tokenizer = chat_tokenizer(cfg.env.tokenizer)
+    vocab = tokenizer.get_vocab_size()
+    if cfg.backend.policy == "engine" and cfg.model.vocab_size < vocab:
+        raise ValueError(f"{tokenizer_name(cfg.env.tokenizer)} has {vocab} ids (chat special tokens included) but "
+                         f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {vocab}")
+    return tokenizer
 
 
 class Reconciler:
@@ -68,14 +86,11 @@ class Reconciler:
         if cfg.env.kind == "target":
             vocab = cfg.backend.fake_vocab if cfg.backend.policy == "fake" else cfg.model.vocab_size
             return target_prompts(cfg.env, vocab, cfg.seed), target_prompts(cfg.env, vocab, cfg.seed, True), {}
-        vocab = byte_tokenizer().get_vocab_size()
-        if cfg.backend.policy == "engine" and cfg.model.vocab_size < vocab:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                             f"{vocab} tokens; set model.vocab_size >= {vocab}")
+        tokenizer = check_tokenizer_vocab(cfg)
         if cfg.env.kind == "text":
             from c2jax.rl.harness import ChatRenderer
 
-            renderer = ChatRenderer(byte_tokenizer())
+            renderer = ChatRenderer(tokenizer)
             train = load_text_tasks(cfg.env.text_tasks)
             held = load_text_tasks(cfg.env.text_eval_tasks)[: cfg.env.eval_prompts]
             clash = {t["id"] for t in train} & {t["id"] for t in held}
