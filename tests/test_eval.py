@@ -493,3 +493,30 @@ def test_checkpoint_agent_serves_a_run_in_its_last_phase_model_and_refuses_byte_
     write_run(tmp_path / "byte_run", "bytes")
     with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):
         make_factory(AgentConfig(kind="checkpoint", target=str(tmp_path / "byte_run")))
+
+
+def test_paired_difference_bootstraps_per_task_differences():
+    """after - before on the same tasks: the interval is the percentile bootstrap of the per-task differences
+    (NumPy, same seed), per category too; a consistent gain is significant, a mixed one is not."""
+    from c2jax.rl.eval.summary import paired_difference
+
+    rng = np.random.default_rng(0)
+    tids = [f"t{i}" for i in range(40)]
+    before = {t: {"avg@1": float(b)} for t, b in zip(tids, rng.uniform(0, 0.6, 40))}
+    after = {t: {"avg@1": before[t]["avg@1"] + (0.3 if i < 20 else rng.normal(0, 0.2))}
+             for i, t in enumerate(tids)}
+    cats = {t: "up" if i < 20 else "mixed" for i, t in enumerate(tids)}
+    res = paired_difference(before, after, ["avg@1"], categories=cats, n_boot=4000, seed=3)
+    d = np.array([after[t]["avg@1"] - before[t]["avg@1"] for t in sorted(tids)])  # tasks in sorted id order
+    idx = np.random.default_rng(3).integers(0, 40, size=(4000, 40))
+    lo, hi = np.quantile(d[idx].mean(1), [0.025, 0.975])
+    allv = res["all"]["avg@1"]
+    assert allv["diff"] == pytest.approx(d.mean()) and (allv["ci_low"], allv["ci_high"]) == pytest.approx((lo, hi))
+    assert allv["before"] == pytest.approx(np.mean([before[t]["avg@1"] for t in tids]))
+    up, mixed = res["categories"]["up"]["avg@1"], res["categories"]["mixed"]["avg@1"]
+    assert up["diff"] == pytest.approx(0.3) and up["significant"] and up["ci_low"] == pytest.approx(0.3)
+    assert mixed["ci_low"] < 0 < mixed["ci_high"] and not mixed["significant"]
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_difference(before, {t: v for t, v in after.items() if t != "t0"}, ["avg@1"])
+    with pytest.raises(ValueError, match="best_of_4"):
+        paired_difference(before, after, ["best_of_4"])

@@ -13,7 +13,7 @@ from c2jax.rl.sandbox import LocalSandbox
 from c2jax.rl.tasks import Task, grade, load_task, write_task
 from c2jax.rl.tasks.build import LibraryConfig, build_library, check_splits_disjoint, validate_task
 from c2jax.rl.tasks.deletion import deletable, delete_feature
-from c2jax.rl.tasks.ladder import build_ladder
+from c2jax.rl.tasks.ladder import _VALUES, build_ladder
 from c2jax.rl.tasks.mutation import apply, candidates
 from c2jax.rl.tasks.patches import drop_test_files, is_test_path, make_patch, patch_size
 from c2jax.rl.tasks.release import build_release_task, changelog_added
@@ -230,23 +230,38 @@ def test_ladder_is_deterministic_and_validates(tmp_path):
         assert v.ok, (t.id, v.reason)
 
 
+def test_ladder_lookup_has_distinct_word_values_and_the_asked_key(tmp_path):
+    """`lookup_keys` keys per settings file, each with a different value word; the prompt asks for one of them
+    and the reference answer is that key's value."""
+    for keys in (1, 2, 5):
+        for path in build_ladder(tmp_path / str(keys), seed=1, per_rung=6, rungs=("lookup",), lookup_keys=keys):
+            task = load_task(path)
+            lines = (task.repo_dir / "settings.ini").read_text().splitlines()
+            pairs = dict(line.split(" = ") for line in lines)
+            assert len(pairs) == keys and len(set(pairs.values())) == keys and set(pairs.values()) <= set(_VALUES)
+            asked = task.prompt("terse").split()[2]
+            assert f"+{pairs[asked]}" in task.solution_patch
+    with pytest.raises(ValueError, match="lookup_keys"):
+        build_ladder(tmp_path / "bad", per_rung=1, rungs=("lookup",), lookup_keys=0)
+
+
 def test_ladder_echo_rung_copies_the_prompt_and_grades(tmp_path):
     """The easiest rung: the terse prompt quotes the exact answer; the normal grader runs the hidden test,
     which fails on the base repo, passes with the reference and fails on a near copy."""
     (path,) = build_ladder(tmp_path, seed=5, per_rung=1, rungs=("echo",))
     task = load_task(path)
     assert task.category == "ladder/echo" and task.id == "ladder-echo-000"
-    text = task.prompt("terse").split('"')[1]
-    word, number = text.split()
-    assert task.prompt("terse") == f'write "{text}" -> answer.txt' and number.isdigit()
-    assert all(text in p for p in task.prompts.values())
+    sender, rest = task.prompt("terse").split(": ", 1)
+    value = rest.split('"')[1]
+    assert rest == f'write "{value}" -> answer.txt' and value in _VALUES and sender not in _VALUES
+    assert all(value in p and sender in p for p in task.prompts.values())
     assert task.fail_to_pass == ("tests/test_answer.py::test_answer",) and not (task.repo_dir / "tests").exists()
     base = grade(task, None, factory)
     assert base.status == "unresolved" and base.fail_to_pass["failure"] == list(task.fail_to_pass)
     ref = grade(task, task.solution_patch, factory)
     assert ref.resolved and ref.reward == 1.0
     readme = {"README.md": "Scratch workspace.\n"}
-    near = grade(task, make_patch(readme, {**readme, "answer.txt": f"{word} {int(number) + 1}\n"}), factory)
+    near = grade(task, make_patch(readme, {**readme, "answer.txt": f"{sender}\n"}), factory)
     assert near.status == "unresolved" and near.reward == 0.0
 
 # ---------------------------------------------------------------------------------- real sdist
@@ -340,3 +355,20 @@ def test_test_file_rule_and_patch_size():
     assert patch_size(patch) == (5, 2)
     kept, dropped = drop_test_files(patch)
     assert dropped == ["tests/test_a.py"] and patch_size(kept) == (3, 1)
+
+
+def test_rl_ladder_train_tasks_never_equal_a_heldout_task(tmp_path):
+    """One-key `lookup` has 256 possible tasks, so a train seed redraws held-out ones: the RL system's train set
+    leaves those out (same prompt and files), keeping the held-out eval a test of what was not trained."""
+    from c2jax.rl.system.config import EnvConfig
+    from c2jax.rl.system.envs import ladder_tasks
+    from c2jax.rl.tasks.ladder import task_content
+
+    cfg = EnvConfig(kind="ladder", rungs=("lookup",), per_rung=60, lookup_keys=1, sandbox="local")
+    train = ladder_tasks(cfg, tmp_path, seed=0)
+    held = ladder_tasks(cfg, tmp_path, seed=0, held_out=True)
+    assert len(held) == 60 and 30 < len(train) < 60  # some of the 60 train draws repeat a held-out task
+    held_content = {task_content(load_task(p)) for p in held.values()}
+    assert not {task_content(load_task(p)) for p in train.values()} & held_content
+    for path in train.values():  # env.lookup_keys reaches the ladder
+        assert len((load_task(path).repo_dir / "settings.ini").read_text().splitlines()) == 1

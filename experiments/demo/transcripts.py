@@ -6,7 +6,7 @@ prompt/completion JSONL record, rendered exactly as the sampler sees it.
                 <|im_end|>\\n ... <|im_start|>assistant\\n          (everything before the assistant turn)
     completion  <tool_call>\\n{"name": "write_file", "arguments": {...}}\\n</tool_call>
                 (the data pipeline appends the tokenizer's eos, which is <|im_end|>, the sampler's stop token;
-                its tokenizer keeps only the turn markers special: see pipeline.data_tokenizer)
+                its tokenizer keeps only the markers the renderer inserts by id special: see demo/tokenizer.py)
 
 The loss mask of the SFT phase (`loss_mask: completion`) trains only the completion.
 """
@@ -66,12 +66,16 @@ def sft_records(messages: list[dict]) -> list[dict]:
 
 
 def write_transcripts(tasks: list[Task], out: Path, episode: EpisodeConfig, sandbox_factory, *,
-                      prompt_level: str = "terse", grade_first: int = 8, seed: int = 0) -> dict:
+                      prompt_level: str = "terse", grade_first: int = 8, seed: int = 0,
+                      conversations_out: Path | None = None) -> dict:
     """Runs the oracle on every task, writes `out` (JSONL of prompt/completion) and returns statistics.
-    The first `grade_first` episodes are graded by the task's tests: an oracle that fails is an error."""
+    The first `grade_first` episodes are graded by the task's tests: an oracle that fails is an error.
+    `conversations_out`: also a JSONL of each episode's messages ({task_id, messages}, one line per segment)."""
+    import contextlib
+
     out.parent.mkdir(parents=True, exist_ok=True)
     n_records, graded, resolved, finish = 0, 0, 0, {}
-    with out.open("w") as f:
+    with out.open("w") as f, (conversations_out.open("w") if conversations_out else contextlib.nullcontext()) as conv:
         for i, task in enumerate(tasks):
             agent = ScriptedAgent(direct_oracle_turns(task), name="scripted-oracle", tools_in_system_prompt=True)
             with sandbox_factory(task.repo_dir) as sandbox:
@@ -87,6 +91,8 @@ def write_transcripts(tasks: list[Task], out: Path, episode: EpisodeConfig, sand
                 if not result.resolved:
                     raise RuntimeError(f"the scripted oracle did not solve {task.id}: {result.status}")
             for seg in traj.segments:
+                if conv is not None:
+                    conv.write(json.dumps({"task_id": task.id, "messages": seg.messages}) + "\n")
                 for rec in sft_records(seg.messages):
                     f.write(json.dumps({**rec, "task_id": task.id}) + "\n")
                     n_records += 1

@@ -86,3 +86,38 @@ def summarize(results: Sequence[SampleResult], *, ks: Sequence[int] = (1, 2, 4, 
         "errors": sum(r.status == "error" for r in results),
         "per_task": per_task,
     }
+
+
+def paired_difference(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], keys: Sequence[str],
+                      *, categories: dict[str, str] | None = None, n_boot: int = 2000, alpha: float = 0.05,
+                      seed: int = 0) -> dict[str, Any]:
+    """`after - before` on the same tasks, for each metric in `keys` (per-task values, as `summarize`'s
+    `per_task`): the means, the mean paired difference and its percentile-bootstrap interval over tasks
+    (resampling tasks keeps each task's before and after together, so task difficulty cancels out). With
+    `categories` (task id -> category) also per category. `significant`: the interval lies above zero."""
+    if set(before) != set(after):
+        only = sorted(set(before) ^ set(after))[:5]
+        raise ValueError(f"paired_difference needs the same tasks before and after; these differ: {only}")
+    if not before:
+        raise ValueError("paired_difference: no tasks")
+    for key in keys:
+        missing = [t for t in before if key not in before[t] or key not in after[t]]
+        if missing:
+            raise ValueError(f"paired_difference: metric {key!r} missing for tasks {missing[:5]}")
+
+    def compare(tids: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tasks": len(tids)}
+        for key in keys:
+            b = np.array([before[t][key] for t in tids], np.float64)
+            a = np.array([after[t][key] for t in tids], np.float64)
+            lo, hi = bootstrap_ci(a - b, n_boot=n_boot, alpha=alpha, seed=seed)
+            out[key] = {"before": float(b.mean()), "after": float(a.mean()), "diff": float((a - b).mean()),
+                        "ci_low": lo, "ci_high": hi, "significant": lo > 0.0}
+        return out
+
+    tids = sorted(before)
+    result: dict[str, Any] = {"all": compare(tids), "alpha": alpha, "bootstrap_samples": n_boot}
+    if categories:
+        cats = sorted({categories[t] for t in tids})
+        result["categories"] = {c: compare([t for t in tids if categories[t] == c]) for c in cats}
+    return result

@@ -116,6 +116,7 @@ class EnvConfig:
     # ladder
     rungs: tuple[str, ...] = ("answer",)
     per_rung: int = 8
+    lookup_keys: int = 2  # keys per `lookup` settings file (1: read and copy the value; more: find the key too)
     sandbox: Literal["bwrap", "local"] = "bwrap"
     # tasks whose task.toml permits the public internet share the host's network (bwrap --share-net);
     # off: every task runs offline (docs/sandbox.md, "Network")

@@ -97,12 +97,21 @@ def text_reward(answer: str, reference: str, match: str = "prefix") -> float:
 
 
 def ladder_tasks(cfg: EnvConfig, directory: Path, seed: int, held_out: bool = False) -> dict[str, Path]:
-    """task id -> task directory; the held-out set is the ladder built from another seed."""
-    from c2jax.rl.tasks.ladder import build_ladder
+    """task id -> task directory; the held-out set is the ladder built from another seed. The train set leaves
+    out tasks identical to a held-out one (same prompt and files: small rungs such as `echo` or one-key
+    `lookup` draw from a few thousand tasks), so the held-out eval never scores a task trained on."""
+    from c2jax.rl.tasks.ladder import build_ladder, task_content
+    from c2jax.rl.tasks.task import load_task
 
-    out = directory / ("eval" if held_out else "train")
-    paths = build_ladder(out, seed=seed + (1000 if held_out else 0), per_rung=cfg.per_rung, rungs=cfg.rungs)
-    return {p.name: p for p in paths}
+    def build(split: str, split_seed: int) -> list[Path]:
+        return build_ladder(directory / split, seed=split_seed, per_rung=cfg.per_rung, rungs=cfg.rungs,
+                            lookup_keys=cfg.lookup_keys)
+
+    held = build("eval", seed + 1000)
+    if held_out:
+        return {p.name: p for p in held}
+    seen = {task_content(load_task(p)) for p in held}
+    return {p.name: p for p in build("train", seed) if task_content(load_task(p)) not in seen}
 
 
 def byte_tokenizer():

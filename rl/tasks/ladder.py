@@ -1,9 +1,10 @@
 """A ladder of small learnable tasks for tiny models (RL demos on CPU), generated from a seed.
 
 Rungs, easiest first, all in the normal task format and graded by the normal pytest grader:
-  echo       single turn: the prompt quotes the exact string to write to answer.txt (tool-call format + copying)
+  echo       single turn: the prompt quotes the word to write to answer.txt (tool-call format + copying)
   answer     single turn: the prompt holds everything; write a short string to answer.txt
-  lookup     multi-turn tool use: the answer depends on a file the agent must read first
+  lookup     multi-turn tool use: the answer is the value of one of `lookup_keys` keys in a settings file the
+             agent must read first (values are words from a fixed vocabulary of 16)
   micro_bug  a micro repository (3-5 small functions) with a one-token bug; hidden tests name it
 """
 
@@ -29,20 +30,31 @@ _WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor
           "lumen", "maple", "nectar", "orbit", "pebble"]
 
 
-# five letters each, distinct first letters: every echo answer has the same length (9 characters)
+# Values of `echo` and `lookup` answers: 16 words, none of them a key or an echo word. A small closed vocabulary
+# keeps each answer a word (one token of a BPE trained on the transcripts), so a tiny model can learn to copy it
+# from the context; the numbers of the first ladder (10-999) were 900 rare tokens, or 2-3 bytes to copy in order.
+_VALUES = ["amber", "azure", "bronze", "cobalt", "coral", "crimson", "indigo", "jade", "khaki", "lilac", "navy",
+           "ochre", "plum", "rust", "sage", "teal"]
+# five letters each, distinct first letters
 _ECHO_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "hazel", "ivory", "jolly", "koala",
                "lemon", "maple", "noble", "olive", "pearl"]
 
 
-def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
-    text = f"{rng.choice(_ECHO_WORDS)} {rng.randint(100, 999)}"  # e.g. "maple 417": copied, not computed
-    prompts = {"terse": f'write "{text}" -> answer.txt',
-               "issue": f'Write the text "{text}" to answer.txt.',
-               "full": f'Create a file answer.txt in the repository root containing exactly the text "{text}" '
-                       f"(without the quotes), followed by a newline."}
+_SENDERS = sorted(set(_ECHO_WORDS) | set(_WORDS))  # 24 words, none of them a value
+
+
+def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, bytes]]:
+    # one quoted value word to copy and a sender word not to: 16 x 24 = 384 tasks. A held-out task is a pair no
+    # train task has, so it is solved only by copying the quoted word from the prompt. (Two quoted words to copy
+    # in order, 1,560 pairs, were not learned by a 64-wide, 2-layer model in 800 SFT steps: measured)
+    sender, word = rng.choice(_SENDERS), rng.choice(_VALUES)
+    prompts = {"terse": f'{sender}: write "{word}" -> answer.txt',
+               "issue": f'{sender} asks: write the word "{word}" to answer.txt.',
+               "full": f'A request from {sender}: create a file answer.txt in the repository root containing exactly '
+                       f'the word "{word}" (without the quotes), followed by a newline.'}
     repo = {"README.md": "Scratch workspace.\n"}
     return _task(f"ladder-echo-{idx:03d}", "echo", "easy", prompts), repo, \
-        {**repo, "answer.txt": text + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=text)}
+        {**repo, "answer.txt": word + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=word)}
 
 
 def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
@@ -58,15 +70,15 @@ def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], di
         {**repo, "answer.txt": expected + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=expected)}
 
 
-def _lookup_task(rng, idx):
-    keys = rng.sample(_WORDS, 5)
-    values = {k: rng.randint(10, 999) for k in keys}
+def _lookup_task(rng, idx, keys: int = 2):
+    keys = rng.sample(_WORDS, keys)
+    values = dict(zip(keys, rng.sample(_VALUES, len(keys))))  # distinct: copying the wrong key's value fails
     target = rng.choice(keys)
     config = "".join(f"{k} = {v}\n" for k, v in values.items())
     prompts = {"terse": f"value of {target} -> answer.txt",
                "issue": f"Look up `{target}` in settings.ini and write its value to answer.txt.",
                "full": f"settings.ini holds `key = value` lines. Read it, find the key `{target}`, and write "
-                       f"its integer value alone (plus a newline) to answer.txt in the repository root."}
+                       f"its value alone (plus a newline) to answer.txt in the repository root."}
     repo = {"settings.ini": config}
     return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts, reads=("settings.ini",)), repo, \
         {**repo, "answer.txt": f"{values[target]}\n"}, \
@@ -143,20 +155,33 @@ def write_generated_task(task: Task, repo: dict[str, str], solved: dict[str, str
         return write_task(task, out_dir, overlay={k: v.encode() for k, v in overlay.items()})
 
 
+def task_content(task: Task) -> tuple:
+    """What makes two ladder tasks the same task: the terse prompt and the environment's files (a `lookup`
+    prompt names one of 16 keys, so the prompt alone repeats across different settings files). Train sets
+    drop tasks whose content equals a held-out task's, so a held-out score is never a memorised answer."""
+    files = sorted((str(p.relative_to(task.repo_dir)), p.read_bytes()) for p in Path(task.repo_dir).rglob("*")
+                   if p.is_file()) if task.repo_dir else []
+    return task.prompt("terse"), tuple(files)
+
+
 _BUILDERS = {"echo": _echo_task, "answer": _answer_task, "lookup": _lookup_task, "micro_bug": _micro_bug_task}
 
 
 def build_ladder(out_dir: str | Path, *, seed: int = 0, per_rung: int = 4,
-                 rungs: tuple[str, ...] = RUNGS) -> list[Path]:
-    """Writes `per_rung` tasks of each rung under `out_dir`; the same seed gives the same tasks."""
+                 rungs: tuple[str, ...] = RUNGS, lookup_keys: int = 2) -> list[Path]:
+    """Writes `per_rung` tasks of each rung under `out_dir`; the same seed gives the same tasks.
+    `lookup_keys`: keys in each `lookup` settings file (1 = read and copy; more = find the asked key too)."""
     unknown = set(rungs) - set(RUNGS)
     if unknown:
         raise ValueError(f"unknown ladder rungs {sorted(unknown)}; expected a subset of {RUNGS}")
+    if not 1 <= lookup_keys <= len(_WORDS):
+        raise ValueError(f"lookup_keys must be in 1..{len(_WORDS)}, got {lookup_keys}")
     written = []
     for rung in rungs:
         rng = random.Random(f"{seed}/{rung}")
         for idx in range(per_rung):
-            made, repo, solved, overlay = _BUILDERS[rung](rng, idx)
+            made, repo, solved, overlay = (_lookup_task(rng, idx, lookup_keys) if rung == "lookup"
+                                           else _BUILDERS[rung](rng, idx))
             task, f2p, p2p = made if isinstance(made, tuple) else (made, ["tests/test_answer.py::test_answer"], [])
             written.append(write_generated_task(task, repo, solved, overlay, out_dir, f2p=f2p, p2p=p2p, seed=seed))
     return written

@@ -237,7 +237,7 @@ def shrink(raw: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from c2jax.rl.system.envs import byte_tokenizer
-    from experiments.demo.pipeline import _shutdown_ray, data_tokenizer, stage_base
+    from experiments.demo.pipeline import BYTE_VOCAB, _shutdown_ray, data_tokenizer, stage_base
 
     args, raw = ablation_args(argv, __doc__, HERE, "two tiny budgets, a few steps each (for tests)")
     if args.quick:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = make_tasks(work / "tasks", raw)
     check_prompt_tokens(tasks["paths"]["sft"], str(tokenizer))
     dcfg = demo_config(raw, work, args.quick)
-    base = stage_base(dcfg, work, {"tokenizer": str(tokenizer)})
+    base = stage_base(dcfg, work, {"tokenizer": str(tokenizer), "vocab_size": BYTE_VOCAB})
     runs = []
     try:
         for budget in raw["budgets"]:
