@@ -147,3 +147,29 @@ def test_heldout_filter_compares_task_content_not_prompts(tmp_path):
     assert not {task_content(t) for t in train} & {task_content(t) for t in held}
     again = ladder(tmp_path / "c", 1000, 8, "lookup")
     assert [task_content(t) for t in again] == [task_content(t) for t in held]
+
+
+def test_reward_trend_compares_the_last_third_of_policy_versions_with_the_first(tmp_path):
+    """Groups are the bootstrap unit: the last third of the versions minus the first third, per rung too; a
+    steady rise is significant, a flat reward is not."""
+    from experiments.demo.pipeline import reward_trend
+
+    rows = []
+    for version in range(12):
+        for i, rung in enumerate(["echo", "lookup"] * 4):
+            # echo rises from 1/8 to 7/8 solved; lookup alternates 2/8 and 6/8 solved in every version
+            solved = 1 + version * 6 // 11 if rung == "echo" else (2 if i % 4 == 1 else 6)
+            rows.append({"min_version": version, "prompt_id": f"ladder-{rung}-{i:03d}",
+                         "rollouts": [{"reward": float(k < solved)} for k in range(8)]})
+    path = tmp_path / "groups.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trend = reward_trend(path, 12)
+    echo, lookup = trend["rungs"]["echo"], trend["rungs"]["lookup"]
+    assert echo["first_versions"] == [0, 3] and echo["last_versions"] == [8, 11]
+    assert echo["groups_first"] == echo["groups_last"] == 16
+    first = sum(1 + v * 6 // 11 for v in range(4)) / 4 / 8
+    last = sum(1 + v * 6 // 11 for v in range(8, 12)) / 4 / 8
+    assert echo["diff"] == pytest.approx(last - first) and echo["significant"]
+    assert lookup["diff"] == pytest.approx(0.0) and lookup["ci_low"] < 0 < lookup["ci_high"]
+    assert not lookup["significant"]
+    assert trend["all"]["groups_first"] == 32
