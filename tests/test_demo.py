@@ -87,7 +87,8 @@ def test_answer_likelihood_scores_exactly_the_answer_span(tmp_path, rung):
     answer.txt (JSON-escaped inside the write_file call); rungs without answer.txt have nothing to split."""
     from c2jax.models.transformer import init
     from c2jax.rl.system.envs import byte_tokenizer
-    from experiments.demo.pipeline import DemoConfig, answer_likelihood, data_tokenizer, ladder, model_config
+    from experiments.demo.pipeline import DemoConfig, answer_likelihood, ladder, model_config
+    from experiments.demo.tokenizer import data_tokenizer
     from experiments.demo.transcripts import direct_oracle_turns
 
     cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "rungs": rung, "eval_tasks": 1, "out": str(tmp_path)})

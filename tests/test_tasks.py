@@ -361,12 +361,11 @@ def test_rl_ladder_train_tasks_never_equal_a_heldout_task(tmp_path):
     """One-key `lookup` has 256 possible tasks, so a train seed redraws held-out ones: the RL system's train set
     leaves those out (same prompt and files), keeping the held-out eval a test of what was not trained."""
     from c2jax.rl.system.config import EnvConfig
-    from c2jax.rl.system.envs import ladder_tasks
+    from c2jax.rl.system.envs import ladder_splits
     from c2jax.rl.tasks.ladder import task_content
 
     cfg = EnvConfig(kind="ladder", rungs=("lookup",), per_rung=60, lookup_keys=1, sandbox="local")
-    train = ladder_tasks(cfg, tmp_path, seed=0)
-    held = ladder_tasks(cfg, tmp_path, seed=0, held_out=True)
+    train, held = ladder_splits(cfg, tmp_path, seed=0)
     assert len(held) == 60 and 30 < len(train) < 60  # some of the 60 train draws repeat a held-out task
     held_content = {task_content(load_task(p)) for p in held.values()}
     assert not {task_content(load_task(p)) for p in train.values()} & held_content

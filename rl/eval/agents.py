@@ -156,12 +156,9 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
 def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
     """(engine, tokenizer, version) from a c2jax RL run (`c2jax rl`, the demo's RL stage): the learner's
     newest Orbax checkpoint, restored as the learner restores it, and the RL system's chat tokenizer."""
-    from flax import nnx
-
     from c2jax.config import from_dict
     from c2jax.models.inference import EngineConfig, InferenceEngine
-    from c2jax.models.transformer import init
-    from c2jax.rl.system.backends import RLLearner
+    from c2jax.rl.system.backends import restore_learner_model
     from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.envs import chat_tokenizer
 
@@ -172,19 +169,13 @@ def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
         tokenizer = chat_tokenizer(cfg.env.tokenizer)
     except ValueError as e:
         raise ValueError(f"checkpoint agent: RL run {run_dir}: {e}") from None
-    learner = RLLearner(cfg, run_dir)
     try:
-        versions = learner.ckpt.steps()
-        if not versions:
-            raise ValueError(f"checkpoint agent: {run_dir / 'checkpoints'} holds no checkpoint")
-        if step >= 0 and step != versions[-1]:
-            raise ValueError(f"checkpoint agent: an RL run restores its newest checkpoint ({versions[-1]}); "
-                             f"step {step} was asked")
-        version = learner.restore()
-        graphdef = nnx.split(nnx.eval_shape(lambda: init(cfg.model, seed=0)), nnx.Param, ...)[0]
-        model = nnx.merge(graphdef, learner.state.params, learner.state.model_state)
-    finally:
-        learner.ckpt.close()
+        model, version = restore_learner_model(cfg, run_dir)
+    except ValueError as e:
+        raise ValueError(f"checkpoint agent: {e}") from None
+    if step >= 0 and step != version:
+        raise ValueError(f"checkpoint agent: an RL run restores its newest checkpoint ({version}); step {step} "
+                         "was asked")
     engine = InferenceEngine.from_model(model, config=EngineConfig(max_len=max_len), version=version,
                                         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     return engine, tokenizer, version

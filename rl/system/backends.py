@@ -247,6 +247,19 @@ def shard_owner(holders: dict[tuple, set[int]], ordinal: int) -> dict[tuple, int
     return {b: sorted(holders[b])[(ordinal + j) % len(holders[b])] for j, b in enumerate(sorted(holders))}
 
 
+def restore_learner_model(cfg: RLSystemConfig, run_dir: Path):
+    """(model, version) from an RL run's newest learner checkpoint, restored in this process (outside Ray) as the
+    learner restores it; a ValueError when the run holds no checkpoint."""
+    learner = RLLearner(cfg, run_dir)
+    try:
+        if not learner.ckpt.steps():
+            raise ValueError(f"{Path(run_dir) / 'checkpoints'} holds no RL checkpoint")
+        version = learner.restore()
+        return learner.model(), version
+    finally:
+        learner.ckpt.close()
+
+
 class RLLearner:
     """rl_step (jitted, donated) on the model, sharded over `cfg.mesh` when it spans several devices;
     Orbax checkpoints under <run>/checkpoints."""
@@ -286,6 +299,15 @@ class RLLearner:
         if found is not None:
             self.state = found[1]
         return self.version
+
+    def model(self):
+        """The current weights as an nnx model (outside jit: eval, export)."""
+        from flax import nnx
+
+        from c2jax.models.transformer import init
+
+        graphdef = nnx.split(nnx.eval_shape(lambda: init(self.cfg.model, seed=0)), nnx.Param, ...)[0]
+        return nnx.merge(graphdef, self.state.params, self.state.model_state)
 
     def train(self, batch) -> dict[str, float]:
         import jax

@@ -96,10 +96,10 @@ def text_reward(answer: str, reference: str, match: str = "prefix") -> float:
     return n / longest
 
 
-def ladder_tasks(cfg: EnvConfig, directory: Path, seed: int, held_out: bool = False) -> dict[str, Path]:
-    """task id -> task directory; the held-out set is the ladder built from another seed. The train set leaves
-    out tasks identical to a held-out one (same prompt and files: small rungs such as `echo` or one-key
-    `lookup` draw from a few thousand tasks), so the held-out eval never scores a task trained on."""
+def ladder_splits(cfg: EnvConfig, directory: Path, seed: int) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(train, held-out): task id -> task directory, the held-out set the ladder built from seed + 1000. The
+    train set leaves out tasks identical to a held-out one (same prompt and files: small rungs such as `echo`
+    or one-key `lookup` draw from a few hundred tasks), so the held-out eval never scores a task trained on."""
     from c2jax.rl.tasks.ladder import build_ladder, task_content
     from c2jax.rl.tasks.task import load_task
 
@@ -108,10 +108,9 @@ def ladder_tasks(cfg: EnvConfig, directory: Path, seed: int, held_out: bool = Fa
                             lookup_keys=cfg.lookup_keys)
 
     held = build("eval", seed + 1000)
-    if held_out:
-        return {p.name: p for p in held}
     seen = {task_content(load_task(p)) for p in held}
-    return {p.name: p for p in build("train", seed) if task_content(load_task(p)) not in seen}
+    train = {p.name: p for p in build("train", seed) if task_content(load_task(p)) not in seen}
+    return train, {p.name: p for p in held}
 
 
 def byte_tokenizer():
@@ -130,10 +129,6 @@ def byte_tokenizer():
     return tok
 
 
-_CHAT_TOKENIZERS: dict[tuple[str, int], str] = {}  # (tokenizer.json, mtime_ns) -> JSON with the chat tokens
-_CHAT_TOKENIZERS_LOCK = threading.Lock()
-
-
 def tokenizer_file(spec: str) -> Path:
     """The tokenizer.json that `env.tokenizer` names: the file itself, or `tokenizer.json` in a directory."""
     path = Path(spec).expanduser()
@@ -149,7 +144,7 @@ def chat_tokenizer(spec: str = ""):
     """The chat tokenizer `env.tokenizer` selects: "" = `byte_tokenizer()`; otherwise a Hugging Face
     `tokenizers` JSON file or a directory holding tokenizer.json, with the chat special tokens added (a no-op
     for those already present). A missing or unreadable file is a ValueError naming env.tokenizer and the
-    path. Each call returns a new Tokenizer; the file is parsed once per (path, mtime)."""
+    path. Each call returns a new Tokenizer (adding the chat tokens mutates it)."""
     from tokenizers import Tokenizer
 
     from c2jax.rl.harness import add_chat_special_tokens
@@ -157,24 +152,16 @@ def chat_tokenizer(spec: str = ""):
     if not spec:
         return byte_tokenizer()
     path = tokenizer_file(spec)
+    if not path.is_file():
+        raise ValueError(f"env.tokenizer: {path} is not readable (no such file); expected a Hugging Face "
+                         "tokenizer.json or a directory holding one")
     try:
-        key = (str(path.resolve()), path.stat().st_mtime_ns)
-    except OSError as e:
-        raise ValueError(f"env.tokenizer: {path} is not readable ({e.strerror or e}); expected a Hugging Face "
-                         "tokenizer.json or a directory holding one") from None
-    with _CHAT_TOKENIZERS_LOCK:
-        text = _CHAT_TOKENIZERS.get(key)
-    if text is None:
-        try:
-            tok = Tokenizer.from_file(str(path))
-            add_chat_special_tokens(tok)
-        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on a bad file
-            raise ValueError(f"env.tokenizer: cannot load {path} as a Hugging Face tokenizer.json "
-                             f"({type(e).__name__}: {e})") from None
-        text = tok.to_str()
-        with _CHAT_TOKENIZERS_LOCK:
-            _CHAT_TOKENIZERS[key] = text
-    return Tokenizer.from_str(text)
+        tok = Tokenizer.from_file(str(path))
+        add_chat_special_tokens(tok)
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on a bad file
+        raise ValueError(f"env.tokenizer: cannot load {path} as a Hugging Face tokenizer.json "
+                         f"({type(e).__name__}: {e})") from None
+    return tok
 
 
 # ------------------------------------------------------------------------------ environment-worker side

@@ -36,7 +36,7 @@ from c2jax.rl.system.config import RLSystemConfig, save_system_config
 from c2jax.rl.system.curriculum import Curriculum
 from c2jax.rl.system.envs import (
     chat_tokenizer,
-    ladder_tasks,
+    ladder_splits,
     load_text_tasks,
     target_prompts,
     text_prompts,
@@ -99,8 +99,7 @@ class Reconciler:
             refs = {t["id"]: t["reference"] for t in train + held}
             template = cfg.env.text_template
             return text_prompts(train, renderer, template), text_prompts(held, renderer, template), refs
-        train = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed)
-        held = ladder_tasks(cfg.env, self.run_dir / "tasks", cfg.seed, held_out=True)
+        train, held = ladder_splits(cfg.env, self.run_dir / "tasks", cfg.seed)
         held = dict(list(held.items())[: cfg.env.eval_prompts])
         from c2jax.rl.tasks.task import load_task
 

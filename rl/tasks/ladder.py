@@ -10,6 +10,7 @@ Rungs, easiest first, all in the normal task format and graded by the normal pyt
 
 from __future__ import annotations
 
+import functools
 import random
 import tempfile
 from pathlib import Path
@@ -43,10 +44,11 @@ _ECHO_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "h
 _SENDERS = sorted(set(_ECHO_WORDS) | set(_WORDS))  # 24 words, none of them a value
 
 
-def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, bytes]]:
+def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
     # one quoted value word to copy and a sender word not to: 16 x 24 = 384 tasks. A held-out task is a pair no
     # train task has, so it is solved only by copying the quoted word from the prompt. (Two quoted words to copy
-    # in order, 1,560 pairs, were not learned by a 64-wide, 2-layer model in 800 SFT steps: measured)
+    # in order, 1,560 pairs: 0 of 32 held-out solved after the demo's 1,200 mixed SFT steps; alone from scratch,
+    # P(exact) 0.10 after 800 steps: measured)
     sender, word = rng.choice(_SENDERS), rng.choice(_VALUES)
     prompts = {"terse": f'{sender}: write "{word}" -> answer.txt',
                "issue": f'{sender} asks: write the word "{word}" to answer.txt.',
@@ -70,8 +72,8 @@ def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], di
         {**repo, "answer.txt": expected + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=expected)}
 
 
-def _lookup_task(rng, idx, keys: int = 2):
-    keys = rng.sample(_WORDS, keys)
+def _lookup_task(rng, idx, n_keys: int = 2):
+    keys = rng.sample(_WORDS, n_keys)
     values = dict(zip(keys, rng.sample(_VALUES, len(keys))))  # distinct: copying the wrong key's value fails
     target = rng.choice(keys)
     config = "".join(f"{k} = {v}\n" for k, v in values.items())
@@ -176,12 +178,12 @@ def build_ladder(out_dir: str | Path, *, seed: int = 0, per_rung: int = 4,
         raise ValueError(f"unknown ladder rungs {sorted(unknown)}; expected a subset of {RUNGS}")
     if not 1 <= lookup_keys <= len(_WORDS):
         raise ValueError(f"lookup_keys must be in 1..{len(_WORDS)}, got {lookup_keys}")
+    builders = {**_BUILDERS, "lookup": functools.partial(_lookup_task, n_keys=lookup_keys)}
     written = []
     for rung in rungs:
         rng = random.Random(f"{seed}/{rung}")
         for idx in range(per_rung):
-            made, repo, solved, overlay = (_lookup_task(rng, idx, lookup_keys) if rung == "lookup"
-                                           else _BUILDERS[rung](rng, idx))
+            made, repo, solved, overlay = builders[rung](rng, idx)
             task, f2p, p2p = made if isinstance(made, tuple) else (made, ["tests/test_answer.py::test_answer"], [])
             written.append(write_generated_task(task, repo, solved, overlay, out_dir, f2p=f2p, p2p=p2p, seed=seed))
     return written

@@ -237,7 +237,8 @@ def shrink(raw: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from c2jax.rl.system.envs import byte_tokenizer
-    from experiments.demo.pipeline import BYTE_VOCAB, _shutdown_ray, data_tokenizer, stage_base
+    from experiments.demo.pipeline import BYTE_VOCAB, _shutdown_ray, stage_base
+    from experiments.demo.tokenizer import data_tokenizer
 
     args, raw = ablation_args(argv, __doc__, HERE, "two tiny budgets, a few steps each (for tests)")
     if args.quick:
