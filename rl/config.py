@@ -105,6 +105,10 @@ class RewardConfig:
 @dataclass(frozen=True)
 class RLConfig:
     learning_rate: float = 1e-6
+    # linear warmup from 0 over this many optimizer steps (0: constant). Adam's first steps move every parameter by
+    # ~learning_rate whatever its gradient's size (the bias-corrected m/sqrt(v) is sign(g) at step 1), so on a
+    # noisy RL gradient the first updates are the largest and least informed; a warmup damps them
+    warmup_steps: int = 0
     adam_b1: float = 0.9
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
@@ -121,5 +125,7 @@ class RLConfig:
     def __post_init__(self):
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         if not isinstance(self.micro_batches, int) or self.micro_batches <= 0:
             raise ConfigError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")

@@ -37,8 +37,11 @@ class RLState(NamedTuple):
 
 
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
-    """Adam(W) on every parameter (Composer 2 sec. 4.2: "Adam, full-parameter"), global-norm clipped."""
-    adam = optax.adamw(cfg.learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+    """Adam(W) on every parameter (Composer 2 sec. 4.2: "Adam, full-parameter"), global-norm clipped, with an
+    optional linear warmup (`warmup_steps`; a constant rate otherwise, so the optimizer state keeps its layout)."""
+    lr = cfg.learning_rate if not cfg.warmup_steps else optax.linear_schedule(
+        cfg.learning_rate / (cfg.warmup_steps + 1), cfg.learning_rate, cfg.warmup_steps)
+    adam = optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                        weight_decay=cfg.weight_decay)
     return adam if cfg.max_grad_norm is None else optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adam)
 

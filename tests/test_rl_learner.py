@@ -218,3 +218,24 @@ def test_sharded_step_equals_single_device(padded_run):
     assert state.params["embed_tokens"].get_value().sharding.spec == shardings.params["embed_tokens"].get_value().spec
     assert float(metrics["loss"]) == pytest.approx(float(full_metrics["loss"]), rel=1e-5)
     np.testing.assert_allclose(delta, full_delta, rtol=1e-4, atol=1e-6)
+
+
+def test_warmup_scales_adams_first_updates_linearly():
+    """Under a constant gradient Adam's bias-corrected update is lr * sign(g) whatever |g| is (tiny gradients
+    move as far as large ones); with warmup_steps=w the k-th update is lr * (k + 1) / (w + 1), then lr."""
+    import optax
+
+    w, lr = 4, 1e-2
+    tx = make_optimizer(RLConfig(learning_rate=lr, warmup_steps=w, max_grad_norm=None))
+    params = {"x": jnp.zeros(3)}
+    state = tx.init(params)
+    sizes = []
+    for _ in range(w + 2):
+        upd, state = tx.update({"x": jnp.array([1e-4, 1.0, -5.0])}, state, params)  # constant gradient
+        sizes.append(np.abs(np.asarray(upd["x"])))
+    for k, s in enumerate(sizes):
+        np.testing.assert_allclose(s, lr * min(1.0, (1 + k) / (w + 1)), rtol=1e-3)
+    plain = make_optimizer(RLConfig(learning_rate=lr, max_grad_norm=None))
+    assert jax.tree.structure(plain.init(params)) == jax.tree.structure(optax.adamw(lr).init(params))
+    with pytest.raises(Exception, match="warmup_steps"):
+        RLConfig(warmup_steps=-1)

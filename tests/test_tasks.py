@@ -371,3 +371,24 @@ def test_rl_ladder_train_tasks_never_equal_a_heldout_task(tmp_path):
     assert not {task_content(load_task(p)) for p in train.values()} & held_content
     for path in train.values():  # env.lookup_keys reaches the ladder
         assert len((load_task(path).repo_dir / "settings.ini").read_text().splitlines()) == 1
+
+
+def test_rl_ladder_task_ids_name_one_task_so_train_episodes_are_graded_by_their_own_tests(tmp_path):
+    """Both splits number their tasks from 000; the environment host maps id -> directory for both. With shared
+    ids, train `echo` episodes were graded against the held-out task's hidden test (a correct copy scored 0).
+    Every id names one task, and the host grades a train task's reference solution as resolved."""
+    from c2jax.rl.system.config import EnvConfig
+    from c2jax.rl.system.envs import EnvironmentHost, ladder_splits
+    from c2jax.rl.tasks.ladder import task_content
+
+    cfg = EnvConfig(kind="ladder", rungs=("echo",), per_rung=4, sandbox="local")
+    train, held = ladder_splits(cfg, tmp_path, seed=0)
+    assert train and held and not set(train) & set(held)
+    assert all(p.parent.name == "train" for p in train.values()) and all(p.parent.name == "eval" for p in held.values())
+    host = EnvironmentHost(cfg, {**train, **held})
+    for tid, path in list(train.items())[:2] + list(held.items())[:1]:
+        task = load_task(path)
+        assert host.grade_patch(tid, task.solution_patch)[0] == 1.0
+        other = load_task(held[next(iter(held))] if tid in train else train[next(iter(train))])
+        if task_content(other) != task_content(task):
+            assert host.grade_patch(tid, other.solution_patch)[0] == 0.0

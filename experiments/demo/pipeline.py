@@ -85,6 +85,7 @@ class DemoConfig:
     rollout_workers: int = 1
     max_staleness: int = 1
     rl_lr: float = 3e-4
+    rl_warmup: int = 0  # linear learning-rate warmup over this many RL steps (RLConfig.warmup_steps)
     # evaluation on HELD-OUT ladder tasks (another seed), per rung
     eval_tasks: int = 32
     eval_k: int = 4
@@ -96,7 +97,8 @@ class DemoConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "seed" and v <= 0:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in ("seed", "rl_warmup") \
+                    and v <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
         from c2jax.rl.tasks.ladder import RUNGS
 
@@ -603,7 +605,7 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
 
     return RLSystemConfig(
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
-        rl=RLConfig(learning_rate=cfg.rl_lr, loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
+        rl=RLConfig(learning_rate=cfg.rl_lr, warmup_steps=cfg.rl_warmup, loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
         engine=engine_config(cfg),
         env=EnvConfig(kind="ladder", rungs=cfg.rung_list, per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
                       sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,

@@ -96,8 +96,12 @@ def text_reward(answer: str, reference: str, match: str = "prefix") -> float:
     return n / longest
 
 
+HELDOUT_SUFFIX = "-heldout"
+
+
 def ladder_splits(cfg: EnvConfig, directory: Path, seed: int) -> tuple[dict[str, Path], dict[str, Path]]:
-    """(train, held-out): task id -> task directory, the held-out set the ladder built from seed + 1000. The
+    """(train, held-out): task id -> task directory, the held-out set the ladder built from seed + 1000 (its ids end
+    in HELDOUT_SUFFIX, so no id names a task of both splits). The
     train set leaves out tasks identical to a held-out one (same prompt and files: small rungs such as `echo`
     or one-key `lookup` draw from a few hundred tasks), so the held-out eval never scores a task trained on."""
     from c2jax.rl.tasks.ladder import build_ladder, task_content
@@ -110,7 +114,9 @@ def ladder_splits(cfg: EnvConfig, directory: Path, seed: int) -> tuple[dict[str,
     held = build("eval", seed + 1000)
     seen = {task_content(load_task(p)) for p in held}
     train = {p.name: p for p in build("train", seed) if task_content(load_task(p)) not in seen}
-    return train, {p.name: p for p in held}
+    # both splits number their tasks from 000, so the held-out ids carry a suffix: the environment host maps id ->
+    # directory for both, and a shared id once graded train episodes against the held-out task's hidden tests
+    return train, {f"{p.name}{HELDOUT_SUFFIX}": p for p in held}
 
 
 def byte_tokenizer():

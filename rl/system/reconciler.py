@@ -106,6 +106,9 @@ class Reconciler:
         def instructions(paths):
             return {tid: load_task(p).prompt(cfg.env.prompt_level) for tid, p in paths.items()}
 
+        clash = set(train) & set(held)
+        if clash:  # one id -> one directory: a shared id would grade a train episode against a held-out task
+            raise ValueError(f"ladder task ids occur in both the train and held-out splits: {sorted(clash)[:5]}")
         return instructions(train), instructions(held), {**train, **held}
 
     def start(self) -> None:
