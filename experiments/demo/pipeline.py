@@ -605,7 +605,8 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
 
     return RLSystemConfig(
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
-        rl=RLConfig(learning_rate=cfg.rl_lr, warmup_steps=cfg.rl_warmup, loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
+        rl=RLConfig(learning_rate=cfg.rl_lr, warmup_steps=cfg.rl_warmup,
+                    loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
         engine=engine_config(cfg),
         env=EnvConfig(kind="ladder", rungs=cfg.rung_list, per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
                       sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,
