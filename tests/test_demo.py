@@ -42,7 +42,10 @@ def test_demo_quick_end_to_end(tmp_path):
 
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["git"]["commit"] and results["meta"]["seed"] == 0
-    assert results["data"]["oracle_resolved"] == results["data"]["oracle_graded"] > 0
+    # graded transcripts: the oracle's resolved, the imperfect teacher's (--teacher-error) not (else stage_data fails)
+    from experiments.demo.pipeline import DemoConfig
+
+    assert results["data"]["oracle_graded"] > 0 and results["data"]["teacher_error"] == DemoConfig().teacher_error
     # one line per tool in the system prompt, so SFT, RL and eval fit the short context
     data = results["data"]
     # every SFT prompt (2 rungs x up to 2 turns) tokenizes to the ids the RL harness renders
@@ -174,3 +177,30 @@ def test_reward_trend_compares_the_last_third_of_policy_versions_with_the_first(
     assert lookup["diff"] == pytest.approx(0.0) and lookup["ci_low"] < 0 < lookup["ci_high"]
     assert not lookup["significant"]
     assert trend["all"]["groups_first"] == 32
+
+
+def test_imperfect_teacher_copies_the_distractor_in_the_stated_fraction_and_fails_the_hidden_test(tmp_path):
+    """--teacher-error e: in a fraction e of the SFT transcripts (drawn per task from the seed) the teacher writes
+    the task's distractor (the echo sender, the lookup key) instead of the answer; graded episodes show each kind
+    gets the verdict it should (the oracle's resolved, the erring teacher's not)."""
+    from experiments.demo.pipeline import DemoConfig, episode_config, ladder, sandbox_factory
+    from experiments.demo.transcripts import write_transcripts
+
+    cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "rungs": "echo,lookup", "context": 1024, "sandbox": "local"})
+    tasks = ladder(tmp_path / "tasks", 0, 40, ("echo", "lookup"), lookup_keys=1)
+    stats = write_transcripts(tasks, tmp_path / "t.jsonl", episode_config(cfg), sandbox_factory(cfg), grade_first=12,
+                              teacher_error=0.5, seed=3)
+    assert stats["oracle_graded"] == 12 and 0 < stats["oracle_resolved"] < 12  # both kinds graded, as expected
+    writes = [json.loads(line) for line in (tmp_path / "t.jsonl").open()]
+    writes = [r for r in writes if '"answer.txt"' in r["completion"]]
+    by_id = {t.id: t for t in tasks}
+    wrong = 0
+    for r in writes:
+        task = by_id[r["task_id"]]
+        written = json.loads(r["completion"].split("\n")[1])["arguments"]["content"].strip()
+        answer = task.solution_patch.rstrip("\n").splitlines()[-1][1:]  # the patch's last line: "+WORD"
+        assert written in (answer, task.metadata["distractor"])
+        wrong += written == task.metadata["distractor"]
+    assert wrong == stats["erring_episodes"] and 25 <= wrong <= 55  # Binomial(80, 0.5): P(outside) < 1e-3
+    with pytest.raises(ValueError, match="teacher_error"):
+        write_transcripts(tasks[:1], tmp_path / "v.jsonl", episode_config(cfg), sandbox_factory(cfg), teacher_error=1.0)

@@ -65,6 +65,10 @@ class DemoConfig:
     sft_batch: int = 16
     cpt_lr: float = 3e-3
     sft_tasks: int = 500  # TRAIN ladder tasks per rung the scripted oracle solves for SFT transcripts
+    # the SFT teacher is imperfect: in this fraction of its transcripts it copies the wrong word from the context
+    # (the echo sender, the lookup key) and the hidden test fails, as SFT on a weaker agent's transcripts teaches
+    # its mistakes too. RL's reward is the hidden tests' verdict, so RL can unlearn them; 0 = a perfect teacher
+    teacher_error: float = 0.4
     # ladder rungs (rl/tasks/ladder.py, comma-separated) of SFT transcripts, RL and eval: `echo` copies the quoted
     # word in one turn; `lookup` reads settings.ini, then writes the asked key's value (multi-turn); `answer`
     # (arithmetic) and `micro_bug` (a one-token fix) are out of reach of the default model
@@ -97,8 +101,8 @@ class DemoConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in ("seed", "rl_warmup") \
-                    and v <= 0:
+            may_be_zero = ("seed", "rl_warmup", "teacher_error")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in may_be_zero and v <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
         from c2jax.rl.tasks.ladder import RUNGS
 
@@ -108,6 +112,8 @@ class DemoConfig:
                              f"{self.rungs!r}")
         if self.sandbox not in ("auto", "bwrap", "local"):
             raise ValueError(f"--sandbox must be auto, bwrap or local, got {self.sandbox!r}")
+        if not 0.0 <= self.teacher_error < 1.0:
+            raise ValueError(f"--teacher-error must be in [0, 1), got {self.teacher_error}")
         if self.eval_k < 2:
             raise ValueError("--eval-k must be >= 2 (best-of-K needs several samples per task)")
         if self.vocab_size < 512:
@@ -268,7 +274,7 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     ep = episode_config(cfg)
     stats = write_transcripts(kept, jsonl, ep, sandbox_factory(cfg), prompt_level="terse",
                               grade_first=min(len(kept), 4 if cfg.quick else 8), seed=cfg.seed,
-                              conversations_out=conversations)
+                              conversations_out=conversations, teacher_error=cfg.teacher_error)
     stats["dropped_overlapping_heldout"] = len(train) - len(kept)
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     stdlib = sysconfig.get_paths()["stdlib"]

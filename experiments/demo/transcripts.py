@@ -55,6 +55,16 @@ def direct_oracle_turns(task: Task) -> list[list[dict]]:
     return [turn for turn in reads + writes if turn]
 
 
+def wrong_field_turns(task: Task) -> list[list[dict]]:
+    """The imperfect teacher's turns: the oracle's, except that the answer file holds the task's distractor (the
+    `echo` sender, the `lookup` key) instead of the answer: it copies the wrong word, and the hidden test fails."""
+    distractor = task.metadata.get("distractor")
+    if distractor is None:
+        raise ValueError(f"task {task.id} names no distractor: the imperfect teacher needs one (ladder echo/lookup)")
+    return [[{**call, "arguments": {**call["arguments"], "content": f"{distractor}\n"}}
+             if call["name"] == "write_file" else call for call in turn] for turn in direct_oracle_turns(task)]
+
+
 def sft_records(messages: list[dict]) -> list[dict]:
     """One {prompt, completion} record per assistant turn of a conversation (OpenAI-style messages)."""
     records = []
@@ -67,17 +77,27 @@ def sft_records(messages: list[dict]) -> list[dict]:
 
 def write_transcripts(tasks: list[Task], out: Path, episode: EpisodeConfig, sandbox_factory, *,
                       prompt_level: str = "terse", grade_first: int = 8, seed: int = 0,
-                      conversations_out: Path | None = None) -> dict:
+                      conversations_out: Path | None = None, teacher_error: float = 0.0) -> dict:
     """Runs the oracle on every task, writes `out` (JSONL of prompt/completion) and returns statistics.
-    The first `grade_first` episodes are graded by the task's tests: an oracle that fails is an error.
+    The first `grade_first` episodes are graded by the task's tests: an oracle that fails is an error, and so is
+    an erring episode that passes.
+    `teacher_error`: the fraction of episodes (drawn per task from `seed`) in which the teacher copies the wrong
+    word (`wrong_field_turns`): SFT then imitates an imperfect agent, as SFT on a weaker model's transcripts does.
     `conversations_out`: also a JSONL of each episode's messages ({task_id, messages}, one line per segment)."""
     import contextlib
+    import random
 
+    if not 0.0 <= teacher_error < 1.0:
+        raise ValueError(f"teacher_error must be in [0, 1), got {teacher_error}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    n_records, graded, resolved, finish = 0, 0, 0, {}
+    rng = random.Random(f"teacher/{seed}")
+    n_records, graded, resolved, finish, erring = 0, 0, 0, {}, 0
     with out.open("w") as f, (conversations_out.open("w") if conversations_out else contextlib.nullcontext()) as conv:
         for i, task in enumerate(tasks):
-            agent = ScriptedAgent(direct_oracle_turns(task), name="scripted-oracle", tools_in_system_prompt=True)
+            errs = rng.random() < teacher_error
+            erring += errs
+            turns = wrong_field_turns(task) if errs else direct_oracle_turns(task)
+            agent = ScriptedAgent(turns, name="scripted-oracle", tools_in_system_prompt=True)
             with sandbox_factory(task.repo_dir) as sandbox:
                 traj = run_episode(agent, sandbox, EpisodeTask(task.id, task.prompt(prompt_level)),
                                    default_registry(), episode, seed=seed + i)
@@ -88,8 +108,9 @@ def write_transcripts(tasks: list[Task], out: Path, episode: EpisodeConfig, sand
                 result = grade(task, traj.final_diff or None, sandbox_factory)
                 graded += 1
                 resolved += int(result.resolved)
-                if not result.resolved:
-                    raise RuntimeError(f"the scripted oracle did not solve {task.id}: {result.status}")
+                if result.resolved == errs:
+                    raise RuntimeError(f"the scripted {'erring teacher' if errs else 'oracle'} "
+                                       f"{'solved' if errs else 'did not solve'} {task.id}: {result.status}")
             for seg in traj.segments:
                 if conv is not None:
                     conv.write(json.dumps({"task_id": task.id, "messages": seg.messages}) + "\n")
@@ -97,4 +118,4 @@ def write_transcripts(tasks: list[Task], out: Path, episode: EpisodeConfig, sand
                     f.write(json.dumps({**rec, "task_id": task.id}) + "\n")
                     n_records += 1
     return {"tasks": len(tasks), "records": n_records, "oracle_graded": graded, "oracle_resolved": resolved,
-            "finish_reasons": finish}
+            "teacher_error": teacher_error, "erring_episodes": erring, "finish_reasons": finish}

@@ -55,7 +55,7 @@ def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict
                "full": f'A request from {sender}: create a file answer.txt in the repository root containing exactly '
                        f'the word "{word}" (without the quotes), followed by a newline.'}
     repo = {"README.md": "Scratch workspace.\n"}
-    return _task(f"ladder-echo-{idx:03d}", "echo", "easy", prompts), repo, \
+    return _task(f"ladder-echo-{idx:03d}", "echo", "easy", prompts, distractor=sender), repo, \
         {**repo, "answer.txt": word + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=word)}
 
 
@@ -82,7 +82,8 @@ def _lookup_task(rng, idx, n_keys: int = 2):
                "full": f"settings.ini holds `key = value` lines. Read it, find the key `{target}`, and write "
                        f"its value alone (plus a newline) to answer.txt in the repository root."}
     repo = {"settings.ini": config}
-    return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts, reads=("settings.ini",)), repo, \
+    return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts, reads=("settings.ini",),
+                 distractor=target), repo, \
         {**repo, "answer.txt": f"{values[target]}\n"}, \
         {"tests/test_answer.py": _ANSWER_TEST.format(expected=str(values[target]))}
 
@@ -128,11 +129,16 @@ def _micro_bug_task(rng, idx):
         {**repo, "mathlib/core.py": fixed}, overlay
 
 
-def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str], reads: tuple[str, ...] = ()) -> Task:
-    """`reads`: the files an agent must read before it can answer (the scripted oracle reads them first)."""
+def _task(task_id: str, rung: str, difficulty: str, prompts: dict[str, str], reads: tuple[str, ...] = (),
+          distractor: str | None = None) -> Task:
+    """`reads`: the files an agent must read before it can answer (the scripted oracle reads them first).
+    `distractor`: the word next to the answer in the context that a careless agent copies instead (the `echo`
+    sender, the `lookup` key, left of its value); the demo's imperfect teacher writes it (experiments/demo)."""
     meta = {"generator": "ladder", "rung": rung}
     if reads:
         meta["reads"] = list(reads)
+    if distractor is not None:
+        meta["distractor"] = distractor
     return Task(id=task_id, instruction=prompts["issue"], repo_dir=None, tests_dir=None, prompts=prompts,
                 category=f"ladder/{rung}", difficulty=difficulty, repo=f"ladder-{rung}", timeout_s=60.0,
                 metadata=meta)
