@@ -204,3 +204,20 @@ def test_code_completion_tasks_cut_inside_a_word_and_keep_its_rest_as_the_refere
     only = script.completion_pairs(text, random.Random(1), 10, 60, 2, 6, vocabulary={"compute"})
     assert len(only) == 10 and all("compute".endswith(ref) and prompt.endswith("compute"[:-len(ref)][-2:])
                                    for prompt, ref in only)
+
+
+def test_rl_lifts_best_of_k_intervals_and_paired_difference_from_step0():
+    """Ablation 02's eval rows: a bootstrap interval over prompts per metric, and from the second row the
+    paired (prompt by prompt) difference from step 0; a prompt solved at step 0 and after is a zero difference."""
+    mod = _load_script("02_rl_lifts_best_of_k")
+    per0 = {f"p{i}": {"avg@1": 0.25, "best_of_4": 0.0} for i in range(8)}
+    per1 = {f"p{i}": {"avg@1": 0.75, "best_of_4": 1.0 if i < 6 else 0.0} for i in range(8)}
+    rows = mod.with_intervals([{"step": 0, "avg@1": 0.25, "best_of_4": 0.0, "per_prompt": per0},
+                               {"step": 6, "avg@1": 0.75, "best_of_4": 0.75, "per_prompt": per1}], 4, seed=0)
+    assert "per_prompt" not in rows[0] and "vs_step0" not in rows[0]
+    assert rows[0]["avg@1/ci"] == [0.25, 0.25] and rows[1]["avg@1/ci"] == [0.75, 0.75]
+    lo, hi = rows[1]["best_of_4/ci"]
+    assert 0.25 <= lo < 0.75 < hi <= 1.0
+    d = rows[1]["vs_step0"]
+    assert d["avg@1"]["diff"] == pytest.approx(0.5) and d["avg@1"]["ci_low"] == pytest.approx(0.5)
+    assert d["best_of_4"]["diff"] == pytest.approx(0.75) and d["best_of_4"]["ci_low"] > 0.25

@@ -151,6 +151,8 @@ def test_online_eval_uses_the_canonical_estimators():
     assert got["avg@1"] == pytest.approx(0.5) and got["pass@2"] == pytest.approx(2 / 3)
     assert got["best_of_2"] == pytest.approx(1 / 3) and got["reward/mean"] == pytest.approx(0.5)
     assert eval_scores([[0.5, 0.25]], [[0.0, 0.0]], 2, success_threshold=0.5)["avg@1"] == 0.5
+    per = eval_scores(rewards, scores, 2, 1.0, prompt_ids=["a", "b", "c"])["per_prompt"]  # for paired intervals
+    assert per["a"] == {"avg@1": 0.5, "pass@2": 1.0, "best_of_2": 0.0} and per["c"]["best_of_2"] == 1.0
     with pytest.raises(ValueError, match="prompts, 3"):
         eval_scores(rewards, scores, 3, 1.0)
 

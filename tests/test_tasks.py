@@ -385,6 +385,9 @@ def test_rl_ladder_task_ids_name_one_task_so_train_episodes_are_graded_by_their_
     train, held = ladder_splits(cfg, tmp_path, seed=0)
     assert train and held and not set(train) & set(held)
     assert all(p.parent.name == "train" for p in train.values()) and all(p.parent.name == "eval" for p in held.values())
+    two = EnvConfig(kind="ladder", rungs=("echo", "lookup"), per_rung=3, sandbox="local")
+    _, held2 = ladder_splits(two, tmp_path / "two", seed=0)  # rungs alternate: the first N cover both
+    assert [load_task(p).metadata["rung"] for p in held2.values()] == ["echo", "lookup"] * 3
     host = EnvironmentHost(cfg, {**train, **held})
     for tid, path in list(train.items())[:2] + list(held.items())[:1]:
         task = load_task(path)

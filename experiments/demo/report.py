@@ -130,7 +130,7 @@ def answer_likelihood_section(before: dict, after: dict) -> list[str]:
 def write_report(cfg, out: Path, results: dict) -> dict:
     plots_dir = out / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
-    k = cfg.eval_k
+    k = cfg.best_of
     plots = [plot_pretraining(results, plots_dir / "pretraining_loss.png"),
              plot_rl(results, plots_dir / "rl_reward_staleness.png"),
              plot_eval(results, k, plots_dir / "eval_before_after.png")]
@@ -162,7 +162,8 @@ def write_report(cfg, out: Path, results: dict) -> dict:
              f"{cfg.hidden}, {cfg.layers} layers (1 dense + MoE with {cfg.experts} experts), MLA attention. "
              f"Configs: [`base/config.yaml`](base/config.yaml), [`cpt/config.yaml`](cpt/config.yaml), "
              f"[`data/sft_data.yaml`](data/sft_data.yaml).\n")
-    L.append(f"Tool-use transcripts: the scripted oracle solved {data['tasks']} TRAIN ladder tasks (rungs "
+    L.append(f"Tool-use transcripts: the scripted teacher ran {data['tasks']} episodes on TRAIN ladder tasks "
+             f"({cfg.sft_transcripts_per_task} per task; rungs "
              f"`{cfg.rungs}`, lookup files with {cfg.lookup_keys} key(s), "
              f"terse prompts) through the harness. The teacher is imperfect (`--teacher-error {cfg.teacher_error:g}`): "
              f"in {data['erring_episodes']} of the {data['tasks']} episodes it copies the wrong word from the context "
@@ -228,12 +229,14 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     L.append("## 4. Evaluation before and after RL (held-out ladder tasks)\n")
     L.append(f"{before['tasks']} held-out tasks ({cfg.eval_tasks} per rung of `{cfg.rungs}`, ladder seed "
              f"{cfg.seed + 1000}; no train task of SFT or RL equals one of them), {cfg.eval_k} samples "
-             f"each at temperature {cfg.temperature}, best-of-{k} selector: mean sampled-token log-probability "
-             "(`model_score`); "
+             f"each at temperature {cfg.temperature}; best-of-K (K = {k} and {cfg.eval_k}, estimated from the "
+             f"{cfg.eval_k} samples) picks the sample with the highest mean sampled-token log-probability "
+             "(`model_score`, no access to the tests); "
              "pass@K is the oracle-selector upper bound. Tool-use columns are measured from the stored trajectories. "
              "Configs: [`eval/before/config.yaml`](eval/before/config.yaml).\n")
-    keys = ["avg@1", f"best_of_{k}", f"pass@{k}", "tool_call_attempted", "parsed_tool_call", "tool_call_ran",
-            "wrote_answer_txt", "completion_tokens_mean"]
+    keys = ["avg@1", f"best_of_{k}", f"pass@{k}", f"best_of_{cfg.eval_k}", f"pass@{cfg.eval_k}",
+            "tool_call_attempted", "parsed_tool_call", "tool_call_ran", "wrote_answer_txt", "completion_tokens_mean"]
+    keys = list(dict.fromkeys(keys))
     keys = [key for key in keys if key in before and key in after]
     L.append("| metric | before RL | after RL |\n|---|---|---|")
     for key in keys:

@@ -484,8 +484,8 @@ class Evaluator(RolloutWorker):
             rollouts = self.run_group(spec, chain).rollouts
             rewards.append([r.reward for r in rollouts])
             scores.append([model_score(r) for r in rollouts])
-        return {**eval_scores(rewards, scores, k, self.cfg.eval.success_threshold), "version": self.policy.version,
-                "prompts": len(prompt_ids)}
+        return {**eval_scores(rewards, scores, k, self.cfg.eval.success_threshold, prompt_ids=prompt_ids),
+                "version": self.policy.version, "prompts": len(prompt_ids)}
 
 
 def model_score(rollout) -> float:
@@ -495,21 +495,28 @@ def model_score(rollout) -> float:
     return float(sum(lps) / len(lps)) if lps else 0.0
 
 
-def eval_scores(rewards, scores, k: int, success_threshold: float) -> dict:
+def eval_scores(rewards, scores, k: int, success_threshold: float, prompt_ids=None) -> dict:
     """Online-eval scores of a [prompts, K] reward matrix with the canonical estimators (c2jax.rl.eval.metrics,
     docs/eval.md): a sample succeeds when its reward >= success_threshold; avg@1 = mean over prompts of
     c/n, pass@K, and best-of-K with the model_score selector (the sample the policy is most confident in).
-    `reward/mean` is the plain mean reward (the target task's reward is fractional)."""
+    `reward/mean` is the plain mean reward (the target task's reward is fractional). With `prompt_ids`, also
+    `per_prompt`: {prompt id: {metric: value}}, for intervals and paired comparisons across evals (the
+    reconciler keeps it in the eval history and out of the scalar metrics)."""
     from c2jax.rl.eval.metrics import best_of_k, mean, pass_at_k
 
     rw = np.asarray(rewards, np.float64)
     if rw.ndim != 2 or rw.shape[1] != k or np.shape(scores) != rw.shape:
         raise ValueError(f"expected [prompts, {k}] rewards and scores, got {rw.shape} and {np.shape(scores)}")
     ok = rw >= success_threshold
-    return {"avg@1": mean([float(row.mean()) for row in ok]),
-            f"pass@{k}": mean([pass_at_k(k, int(row.sum()), k) for row in ok]),
-            f"best_of_{k}": mean([best_of_k(list(o), list(sc), k) for o, sc in zip(ok, scores)]),
-            "reward/mean": float(rw.mean())}
+    per = {"avg@1": [float(row.mean()) for row in ok],
+           f"pass@{k}": [pass_at_k(k, int(row.sum()), k) for row in ok],
+           f"best_of_{k}": [best_of_k(list(o), list(sc), k) for o, sc in zip(ok, scores)]}
+    out = {key: mean(v) for key, v in per.items()} | {"reward/mean": float(rw.mean())}
+    if prompt_ids is not None:
+        if len(prompt_ids) != rw.shape[0]:
+            raise ValueError(f"{len(prompt_ids)} prompt ids for {rw.shape[0]} rows of rewards")
+        out["per_prompt"] = {pid: {key: v[i] for key, v in per.items()} for i, pid in enumerate(prompt_ids)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------- spawning

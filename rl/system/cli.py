@@ -66,5 +66,5 @@ class _Printer:
                 f"tok/s {h['throughput/tokens_per_s']:.1f}  sync {h['sync/bytes'] / 1024:.1f} KiB")
         for e in rec.eval_history[self.evals_seen:]:
             print(f"eval  v{e['step']}: " + ", ".join(f"{k} {v:.3f}" for k, v in e.items()
-                                                                   if k not in ("step", "prompts")))
+                                                                   if k not in ("step", "prompts", "per_prompt")))
         self.evals_seen = len(rec.eval_history)

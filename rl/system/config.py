@@ -95,7 +95,7 @@ class EnvConfig:
     # special tokens are added when missing; model.vocab_size must cover the result (checked at start)
     tokenizer: str = ""
     num_prompts: int = 64
-    eval_prompts: int = 8  # held out (different seed)
+    eval_prompts: int = 8  # held out (different seed); ladder: the first of the held-out tasks, rungs alternating
     prompt_len: int = 4
     gen_len: int = 8
     target_token: int = 3

@@ -58,7 +58,7 @@ class Dashboard:
         if rec.eval_history:
             e = rec.eval_history[-1]
             rows.append((f"eval @ v{e['step']}", ", ".join(f"{k} {v:.3f}" for k, v in e.items()
-                                                            if k not in ("step", "prompts"))))
+                                                            if k not in ("step", "prompts", "per_prompt"))))
         for r in rows:
             t.add_row(*r)
         return t

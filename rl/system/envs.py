@@ -115,7 +115,10 @@ def ladder_splits(cfg: EnvConfig, directory: Path, seed: int) -> tuple[dict[str,
     seen = {task_content(load_task(p)) for p in held}
     train = {p.name: p for p in build("train", seed) if task_content(load_task(p)) not in seen}
     # both splits number their tasks from 000, so the held-out ids carry a suffix: the environment host maps id ->
-    # directory for both, and a shared id once graded train episodes against the held-out task's hidden tests
+    # directory for both, and a shared id once graded train episodes against the held-out task's hidden tests.
+    # Held-out tasks alternate between rungs (echo-000, lookup-000, echo-001, ...), so the first env.eval_prompts
+    # of them cover every rung evenly
+    held = sorted(held, key=lambda p: (int(p.name.rsplit("-", 1)[1]), cfg.rungs.index(p.name.split("-")[1])))
     return train, {f"{p.name}{HELDOUT_SUFFIX}": p for p in held}
 
 

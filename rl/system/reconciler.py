@@ -316,7 +316,7 @@ class Reconciler:
             self._launch_eval()
         version = int(res.pop("version"))
         self.eval_history.append({"step": version, **res})
-        self.metrics.write(version, res, kind="eval")
+        self.metrics.write(version, {k: v for k, v in res.items() if k != "per_prompt"}, kind="eval")
 
     def _log(self, metrics: dict, info: dict) -> None:
         wall = time.perf_counter() - self.t_start

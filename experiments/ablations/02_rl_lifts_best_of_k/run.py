@@ -1,11 +1,19 @@
 """Ablation 02 (Composer 2 sec. 7): does RL trade best-of-K for average accuracy? Online evaluation of an
 asynchronous RL run (rl/system) on held-out prompts: avg@1, pass@K and best-of-K (selector: the sample's
-mean sampled-token logprob) every few learner steps, K samples per prompt.
-    python -m experiments.ablations.02_rl_lifts_best_of_k.run [--quick] [--out DIR]
+mean sampled-token logprob) every few learner steps, K samples per prompt, with 95% bootstrap intervals over
+prompts and the paired difference from step 0.
+
+Variants (`variant:` in the config):
+  ladder (config.yaml, default): the demo's SFT coding agent on held-out multi-turn ladder tasks (echo, lookup),
+      graded by their hidden tests in sandboxes; the demo's data, pretraining and CPT + SFT stages run first.
+  target (target.yaml): the single-turn "emit the target token" task on a random-init tiny MoE (fast).
+
+    python -m experiments.ablations.02_rl_lifts_best_of_k.run [--config FILE] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -23,9 +31,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args, raw = ablation_args(argv, __doc__, HERE, "4 steps, K=2 (for tests)")
-    if args.quick:
+def run_target(raw: dict, quick: bool) -> dict:
+    """The RL system on the target task, configured by `overrides`; returns run_system's summary."""
+    if quick:
         raw = raw | {"steps": 4, "eval_every": 2, "k": 2, "eval_prompts": 4}
     with tempfile.TemporaryDirectory() as runs:
         cfg = load_system_config(None, [*raw["overrides"], f"system.steps={raw['steps']}",
@@ -36,15 +44,79 @@ def main(argv: list[str] | None = None) -> dict:
         from c2jax.rl.system.cluster import shutdown_ray
 
         try:
-            out = run_system(cfg)
+            return run_system(cfg)
         finally:
             shutdown_ray()
-    k = int(raw["k"])
-    evals = [{key: (float(v) if isinstance(v, float) else v) for key, v in row.items()} for row in out["eval"]]
-    train = [{"step": r["step"], "reward": r["reward/mean"]} for r in out["history"]]
+
+
+def run_ladder(raw: dict, quick: bool, work: Path) -> tuple[dict, dict]:
+    """The demo's stages up to its SFT model (experiments.demo.pipeline, in `work`), then the RL system with the
+    demo's RL settings and the online evaluator on `eval_prompts` held-out tasks. (run_system summary, demo cfg)"""
+    from c2jax.rl.system.cluster import shutdown_ray
+    from c2jax.rl.system.config import EvalConfig as OnlineEval
+    from experiments.demo import pipeline as demo
+
+    if quick:
+        raw = raw | {"steps": 2, "eval_every": 1, "k": 2, "eval_prompts": 2}
+    values = (demo.DemoConfig.quick_defaults() if quick else {}) | dict(raw.get("demo") or {})
+    cfg = demo.DemoConfig(**(values | {"out": str(work), "seed": int(raw["seed"]), "rl_steps": int(raw["steps"])}))
+    demo.prepare_out(work)
+    data = demo.stage_data(cfg, work)
+    base = demo.stage_base(cfg, work, data)
+    cpt = demo.stage_cpt(cfg, work, data, base)
+    model_cfg = demo.load_hf_model(cpt["hf"]).cfg
+    rcfg = demo.rl_config(cfg, work, model_cfg, cpt["hf"])
+    rcfg = dataclasses.replace(rcfg, eval=OnlineEval(every=int(raw["eval_every"]), k=int(raw["k"])),
+                               env=dataclasses.replace(rcfg.env, eval_prompts=int(raw["eval_prompts"]),
+                                                       per_rung=max(rcfg.env.per_rung, int(raw["eval_prompts"]))))
+    try:
+        return run_system(rcfg), dataclasses.asdict(cfg)
+    finally:
+        shutdown_ray()
+
+
+def with_intervals(evals: list[dict], k: int, seed: int) -> list[dict]:
+    """Each eval row gets a 95% percentile-bootstrap interval over prompts for avg@1 and best-of-K and, from the
+    second row on, the paired difference from the first (step-0) row, prompt by prompt."""
+    from c2jax.rl.eval.metrics import bootstrap_ci
+    from c2jax.rl.eval.summary import paired_difference
+
+    keys = ["avg@1", f"best_of_{k}"]
+    rows = []
+    for row in evals:
+        per = row.get("per_prompt")
+        out = {key: v for key, v in row.items() if key != "per_prompt"}
+        if per:
+            for key in keys:
+                lo, hi = bootstrap_ci([m[key] for m in per.values()], seed=seed)
+                out[f"{key}/ci"] = [lo, hi]
+            if rows and evals[0].get("per_prompt"):
+                diff = paired_difference(evals[0]["per_prompt"], per, keys, n_boot=2000, seed=seed)["all"]
+                out["vs_step0"] = {key: diff[key] for key in keys}
+        rows.append(out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, raw = ablation_args(argv, __doc__, HERE, "a few steps, K=2, tiny settings (for tests)")
+    variant = raw.get("variant", "target")
+    if variant not in ("ladder", "target"):
+        raise ValueError(f"variant must be ladder or target, got {variant!r} ({args.config})")
     out_dir = Path(args.out)
+    if out_dir == HERE / "results":
+        out_dir = out_dir / variant
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"git_commit": git_commit(), "config": raw, "eval": evals, "train": train}
+    demo_cfg = None
+    if variant == "target":
+        out = run_target(raw, args.quick)
+    else:
+        out, demo_cfg = run_ladder(raw, args.quick, out_dir / "run")
+    k = int(raw["k"]) if not args.quick else 2
+    evals = with_intervals([{key: (float(v) if isinstance(v, float) else v) for key, v in row.items()}
+                            for row in out["eval"]], k, int(raw["seed"]))
+    train = [{"step": r["step"], "reward": r["reward/mean"]} for r in out["history"]]
+    result = {"git_commit": git_commit(), "variant": variant, "config": raw, "demo_config": demo_cfg,
+              "eval": evals, "train": train, "wall_s": out.get("wall_s")}
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     with SummaryWriter(str(out_dir / "tb")) as tb:
         for row in evals:
@@ -55,7 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     steps = [r["step"] for r in evals]
     for key, style in (("avg@1", "o-"), (f"best_of_{k}", "s-"), (f"pass@{k}", "^--")):
-        ax.plot(steps, [r[key] for r in evals], style, label=key)
+        (line,) = ax.plot(steps, [r[key] for r in evals], style, label=key)
+        if all(f"{key}/ci" in r for r in evals):  # 95% bootstrap band over prompts
+            ax.fill_between(steps, [r[f"{key}/ci"][0] for r in evals], [r[f"{key}/ci"][1] for r in evals],
+                            color=line.get_color(), alpha=0.15)
     ax.set_xlabel("learner step")
     ax.set_ylabel("held-out success rate")
     ax.legend()
@@ -63,8 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
     fig.savefig(out_dir / "rl_lifts_best_of_k.png", dpi=80)
     plt.close(fig)
     for row in evals:
-        print(f"step {row['step']:3d}: avg@1 {row['avg@1']:.3f}  best-of-{k} {row[f'best_of_{k}']:.3f}  "
-              f"pass@{k} {row[f'pass@{k}']:.3f}")
+        ci = {key: (f" [{row[f'{key}/ci'][0]:.3f}, {row[f'{key}/ci'][1]:.3f}]" if f"{key}/ci" in row else "")
+              for key in ("avg@1", f"best_of_{k}")}
+        line = (f"step {row['step']:3d}: avg@1 {row['avg@1']:.3f}{ci['avg@1']}  best-of-{k} "
+                f"{row[f'best_of_{k}']:.3f}{ci[f'best_of_{k}']}  pass@{k} {row[f'pass@{k}']:.3f}")
+        if "vs_step0" in row:
+            line += "  vs step 0: " + ", ".join(f"{key} {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+                                                for key, d in row["vs_step0"].items())
+        print(line)
     return result
 
 
