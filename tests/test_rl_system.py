@@ -591,3 +591,28 @@ def test_text_kind_runs_on_rendered_prompts(ray_local, tmp_path):
     assert out["counts"]["samples_trained"] == 2 * 2 * 4
     assert all(0.0 <= row["reward/mean"] <= 1.0 for row in out["history"])
     assert out["eval"] and out["eval"][-1]["prompts"] == 2
+
+
+def test_agentic_reward_applies_the_configured_length_penalty_and_keeps_the_verdict():
+    """RLConfig.reward reaches agentic episodes: R = verdict - scale * C_{k,q}(x), with x the weighted effort
+    counts of the trajectory (sampled tokens by turn kind, inserted tool-output tokens, tool calls, turns); the
+    default config leaves R = the hidden tests' verdict."""
+    from c2jax.rl.config import LengthPenaltyConfig, RewardConfig
+    from c2jax.rl.harness.trajectory import Segment, Step, Trajectory
+    from c2jax.rl.system.envs import episode_effort, shaped_reward
+
+    # prompt of 10 tokens, a 6-token tool call, 4 tokens of tool output, a 3-token final message
+    seg = Segment(0, token_ids=list(range(23)), loss_mask=[0] * 10 + [1] * 6 + [0] * 4 + [1] * 3,
+                  num_prompt_tokens=10)
+    steps = [Step(0, 0, "act", "", [{"id": "c", "name": "write_file", "arguments": {}, "error": None}], [], 6, "stop",
+                  0.0, 0.0),
+             Step(0, 1, "act", "done", [], [], 3, "stop", 0.0, 0.0)]
+    traj = Trajectory("t", "task", "a", reward=1.0, segments=[seg], steps=steps)
+    effort = episode_effort(traj)
+    assert effort == {"thinking_tokens": 0.0, "tool_call_tokens": 6.0, "final_message_tokens": 3.0,
+                      "tool_output_tokens": 4.0, "tool_calls": 1.0, "turns": 2.0}
+    assert shaped_reward(1.0, traj, RewardConfig()) == 1.0 and shaped_reward(0.0, traj, None) == 0.0
+    lp = LengthPenaltyConfig(scale=0.01, k=1e-3, q=0.5)
+    x = 6 + 3 + 0.25 * 4 + 50 * 1 + 50 * 2  # the default weights: tool output 0.25, tool calls and turns 50
+    want = 1.0 - 0.01 * ((1 + 1e-3 * x) ** 0.5 - 1) / (1e-3 * 0.5)
+    assert shaped_reward(1.0, traj, RewardConfig(length_penalty=lp)) == pytest.approx(want, rel=1e-9)

@@ -91,6 +91,9 @@ class DemoConfig:
     max_staleness: int = 1
     rl_lr: float = 3e-4
     rl_warmup: int = 0  # linear learning-rate warmup over this many RL steps (RLConfig.warmup_steps)
+    # scale of the report's concave length penalty (RLConfig.reward.length_penalty: tokens, tool calls and turns,
+    # C_{k,q} with k 1e-3, q 0.5); 0 = reward is the hidden tests' verdict alone
+    rl_length_penalty: float = 0.0
     # evaluation on HELD-OUT ladder tasks (another seed), per rung
     eval_tasks: int = 32
     eval_k: int = 4  # samples per held-out task
@@ -106,7 +109,7 @@ class DemoConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            may_be_zero = ("seed", "rl_warmup", "teacher_error")
+            may_be_zero = ("seed", "rl_warmup", "teacher_error", "rl_length_penalty")
             if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in may_be_zero and v <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
         from c2jax.rl.tasks.ladder import RUNGS
@@ -615,8 +618,8 @@ def rl_effect(cfg: DemoConfig, out: Path) -> dict:
 
 
 def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
+    from c2jax.rl.config import LengthPenaltyConfig, RewardConfig, RLConfig
     from c2jax.rl.config import LossConfig as RLLossConfig
-    from c2jax.rl.config import RLConfig
     from c2jax.rl.system.config import CheckpointConfig, EnvConfig, RayConfig, RLSystemConfig, SystemConfig
     from c2jax.rl.system.config import EvalConfig as OnlineEval
     from experiments.demo.tokenizer import HARNESS_FILE
@@ -624,7 +627,8 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
     return RLSystemConfig(
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
         rl=RLConfig(learning_rate=cfg.rl_lr, warmup_steps=cfg.rl_warmup,
-                    loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2))),
+                    loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2)),
+                    reward=RewardConfig(length_penalty=LengthPenaltyConfig(scale=cfg.rl_length_penalty))),
         engine=engine_config(cfg),
         env=EnvConfig(kind="ladder", rungs=cfg.rung_list, per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
                       sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,
@@ -640,7 +644,8 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
 
 
 def reward_trend(groups_jsonl: Path, steps: int, *, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0) -> dict:
-    """Does the training reward rise? The mean episode reward of the groups sampled by the policies of the last
+    """Does the training reward rise? The mean episode verdict (the hidden tests', before any length penalty) of
+    the groups sampled by the policies of the last
     third of the RL steps minus that of the first third, with a percentile-bootstrap interval (groups resampled
     within each third: a group is one prompt's G episodes from one policy version), overall and per rung (the
     ladder task id names it)."""
@@ -648,7 +653,8 @@ def reward_trend(groups_jsonl: Path, steps: int, *, n_boot: int = 2000, alpha: f
 
     rows = [json.loads(line) for line in groups_jsonl.read_text().splitlines() if line.strip()]
     groups = [(int(r["min_version"]), r["prompt_id"].split("-")[1] if r["prompt_id"].startswith("ladder-") else "all",
-               float(np.mean([x["reward"] for x in r["rollouts"]]))) for r in rows if r["rollouts"]]
+               float(np.mean([x["reward"] if x.get("correctness") is None else x["correctness"]
+                              for x in r["rollouts"]]))) for r in rows if r["rollouts"]]
     third = max(1, steps // 3)
 
     def compare(sel):

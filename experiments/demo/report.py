@@ -257,6 +257,9 @@ def write_report(cfg, out: Path, results: dict) -> dict:
                              f"{v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}] | "
                              f"{'yes' if v['significant'] else 'no'} |")
         L.append("")
+    L.append(f"The after-RL eval is reproducible from the RL run alone with the evaluation CLI (the learner's "
+             f"newest checkpoint, the run's tokenizer, this eval's config): `c2jax eval --config "
+             f"{out}/eval/after/config.yaml --suite {out}/eval/tasks --agent checkpoint {out}/rl --out DIR`.\n")
     L.append("![eval](plots/eval_before_after.png)\n")
     if before.get("answer_likelihood") and after.get("answer_likelihood"):
         L += answer_likelihood_section(before["answer_likelihood"], after["answer_likelihood"])

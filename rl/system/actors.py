@@ -452,7 +452,8 @@ class RolloutWorker:
                 rollouts = list(pool.map(
                     lambda i: run_ladder_episode(policy, self.renderer, call, spec["prompt_id"],
                                                  self.prompts[spec["prompt_id"]], ec, spec["seed"] * 1009 + i,
-                                                 sc.max_episode_retries, self.cfg.router_replay), range(size)))
+                                                 sc.max_episode_retries, self.cfg.router_replay,
+                                                 reward_cfg=self.cfg.rl.reward), range(size)))
         return Group(spec["group_id"], spec["prompt_id"], rollouts, attempt=spec.get("attempt", 0),
                      worker=f"{self.worker_id}/{self.incarnation}",
                      timings={"total_s": time.perf_counter() - t0, "version_at_start": version_at_start,
@@ -482,7 +483,7 @@ class Evaluator(RolloutWorker):
             spec = {"group_id": f"eval-{seed}-{i}", "prompt_id": pid, "seed": 10_000_000 + seed * 1000 + i,
                     "group_size": k}
             rollouts = self.run_group(spec, chain).rollouts
-            rewards.append([r.reward for r in rollouts])
+            rewards.append([r.reward if r.correctness is None else r.correctness for r in rollouts])
             scores.append([model_score(r) for r in rollouts])
         return {**eval_scores(rewards, scores, k, self.cfg.eval.success_threshold, prompt_ids=prompt_ids),
                 "version": self.policy.version, "prompts": len(prompt_ids)}

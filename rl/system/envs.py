@@ -368,10 +368,36 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
     return rollouts
 
 
+def episode_effort(traj) -> dict[str, float]:
+    """The effort counts of Composer 2's length penalty (rl/length_penalty.EFFORT_FIELDS) for one agentic episode:
+    tokens sampled in turns that called tools (`tool_call_tokens`: the harness has no separate thinking channel,
+    so prose before a call counts here) and in turns that did not (`final_message_tokens`), tokens the environment
+    inserted after the first prompt (`tool_output_tokens`: tool results and their chat markup), tool calls, turns."""
+    inserted = sum(len(seg.token_ids) - seg.num_prompt_tokens - sum(seg.loss_mask) for seg in traj.segments
+                   if seg.token_ids)
+    return {"thinking_tokens": 0.0,
+            "tool_call_tokens": float(sum(s.num_new_tokens for s in traj.steps if s.tool_calls)),
+            "final_message_tokens": float(sum(s.num_new_tokens for s in traj.steps if not s.tool_calls)),
+            "tool_output_tokens": float(max(0, inserted)), "tool_calls": float(traj.num_tool_calls),
+            "turns": float(traj.num_turns)}
+
+
+def shaped_reward(correctness: float, traj, reward_cfg) -> float:
+    """RLConfig.reward applied to an agentic episode: w_c * correctness - length penalty + auxiliary terms
+    (rl/rewards.compute_reward); the verdict itself when nothing shapes it (the default)."""
+    from c2jax.rl.rewards import compute_reward
+
+    if reward_cfg is None or (reward_cfg.length_penalty.scale == 0 and not reward_cfg.auxiliary
+                              and reward_cfg.correctness_weight == 1.0):
+        return correctness
+    return float(compute_reward({"correctness": correctness, **episode_effort(traj)}, reward_cfg)[0])
+
+
 def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: str, cfg: EnvConfig,
-                       seed: int, max_retries: int, replay: bool = False) -> Rollout:
+                       seed: int, max_retries: int, replay: bool = False, reward_cfg=None) -> Rollout:
     """One agentic episode; an episode whose environment failed is re-run up to max_retries times. With
-    `replay`, each segment's sequence carries the harness's per-token replay record."""
+    `replay`, each segment's sequence carries the harness's per-token replay record. `reward_cfg`
+    (RLConfig.reward) shapes the reward; the rollout keeps the tests' verdict as `correctness`."""
     from c2jax.rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
     from c2jax.rl.harness.episode import with_agent_timeout
 
@@ -402,6 +428,7 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
             raise ValueError("router replay is on but the sampler returned no expert ids (a dense model?)")
         seqs = [sequence(s.token_ids, s.loss_mask, s.logprobs, s.policy_versions, s.replay_ids if replay else None)
                 for s in traj.segments if s.token_ids]
-        return Rollout(seqs, float(traj.reward), traj.finish_reason, None, traj.num_turns, traj.num_model_tokens,
-                       attempt)
+        verdict = float(traj.reward)
+        return Rollout(seqs, shaped_reward(verdict, traj, reward_cfg), traj.finish_reason, None, traj.num_turns,
+                       traj.num_model_tokens, attempt, correctness=verdict)
     return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1)

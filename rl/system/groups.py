@@ -29,6 +29,9 @@ class Rollout:
     turns: int = 1
     model_tokens: int = 0
     attempts: int = 1
+    # the task's verdict before reward shaping (RLConfig.reward: length penalty, auxiliary terms), for agentic
+    # episodes; None where the reward is the verdict (target and text tasks). Online evals count successes on it
+    correctness: float | None = None
 
     @property
     def errored(self) -> bool:
