@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     if variant == "target":
         out = run_target(raw, args.quick)
     else:
-        out, demo_cfg = run_ladder(raw, args.quick, out_dir / "run")
+        out, demo_cfg = run_ladder(raw, args.quick, out_dir / "runs" / "demo")  # gitignored under results/
     k = int(raw["k"]) if not args.quick else 2
     evals = with_intervals([{key: (float(v) if isinstance(v, float) else v) for key, v in row.items()}
                             for row in out["eval"]], k, int(raw["seed"]))
