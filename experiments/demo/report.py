@@ -88,6 +88,17 @@ def plot_eval(results: dict, k: int, path: Path) -> Path:
     return path
 
 
+def _max_verdict(groups_jsonl: Path) -> float:
+    """The best hidden-test verdict of any trained RL episode (the reward before any length penalty)."""
+    import json
+
+    best = 0.0
+    for line in groups_jsonl.read_text().splitlines() if groups_jsonl.is_file() else []:
+        for x in json.loads(line)["rollouts"]:
+            best = max(best, x["reward"] if x.get("correctness") is None else x["correctness"])
+    return best
+
+
 def _same_samples(out: Path) -> bool:
     """Whether the eval after RL produced exactly the samples of the eval before RL (measured, not assumed)."""
     import json
@@ -195,18 +206,23 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     L.append("## 3. Asynchronous RL (c2jax.rl.system)\n")
     L.append(f"Started from the CPT+SFT model (`init_from: {rl['init_from']}`): the learner loads it, the rollout "
              "workers get it with the version-0 weight packet.\n")
-    rewards = [h["reward/mean"] for h in hist]
     L.append(f"{summ['steps']} learner steps in {summ['wall_s']:.0f} s, mode async, group size {cfg.group_size}, "
              f"{cfg.groups_per_step} group(s) per step, max staleness {cfg.max_staleness}, {cfg.rollout_workers} "
              f"rollout worker(s). Config: [`rl/config.yaml`](rl/config.yaml).\n")
-    L.append("| step | mean reward | staleness max | staleness mean | tokens trained |\n|---|---|---|---|---|")
+    shaped = cfg.rl_length_penalty > 0
+    if shaped:
+        L.append(f"The reward is the hidden tests' verdict minus the report's concave length penalty (scale "
+                 f"{cfg.rl_length_penalty:g} of C_k,q over tokens, tool calls and turns; `rl.reward.length_penalty`); "
+                 "the trend below is on the verdict alone.\n")
+    reward_col = "mean reward (verdict - length penalty)" if shaped else "mean reward"
+    L.append(f"| step | {reward_col} | staleness max | staleness mean | tokens trained |\n|---|---|---|---|---|")
     for h in hist:
         L.append(f"| {h['step']} | {h['reward/mean']:.3f} | {h['staleness/batch_max']} | "
                  f"{h['staleness/batch_mean']:.2f} | {h.get('tokens_trained', float('nan')):.0f} |")
     L.append("")
     trend = summ.get("reward_trend") or {}
     if trend.get("all"):
-        L.append("Does the training reward rise? Mean episode reward of the groups sampled by the policies of the "
+        L.append("Does the training reward rise? Mean episode verdict of the groups sampled by the policies of the "
                  "last third of the steps minus the first third, 95% percentile-bootstrap interval (groups "
                  "resampled):\n")
         L.append("| rungs | groups first / last | reward first third | reward last third | difference [95% CI] | "
@@ -219,7 +235,7 @@ def write_report(cfg, out: Path, results: dict) -> dict:
         L.append("")
     counts = summ.get("counts", {})
     L.append(f"Counts: {', '.join(f'{kk} {v}' for kk, v in sorted(counts.items()))}.\n")
-    if max(rewards, default=0.0) == 0.0:
+    if _max_verdict(out / "rl" / "groups.jsonl") == 0.0:
         same = _same_samples(out)
         L.append("**The RL reward stayed 0 in every step**: no sampled episode wrote the right answer, so every "
                  "group had zero advantage and a zero policy gradient"
