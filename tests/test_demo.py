@@ -82,6 +82,17 @@ def test_demo_quick_end_to_end(tmp_path):
             assert v["diff"] == pytest.approx(v["after"] - v["before"])
     assert results["hf"]["ok"] and results["hf"]["rel_l2"] <= 1e-4
     assert set(results["timings"]) >= {"1 info", "3 asynchronous RL", "5 HF export + transformers reload"}
+    # the evaluation CLI on the RL run alone (its newest checkpoint and tokenizer, the demo's eval config)
+    # reproduces the after-RL eval: the same seeds give the same samples
+    cli = subprocess.run([sys.executable, "-m", "c2jax.cli", "eval", "--config", str(out / "eval/after/config.yaml"),
+                          "--suite", str(out / "eval/tasks"), "--agent", "checkpoint", str(out / "rl"), "--out",
+                          str(tmp_path / "cli_eval"), "--no-progress"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-2000:]
+    cli_acc = json.loads((tmp_path / "cli_eval" / "results.json").read_text())["summary"]["accuracy"]
+    after = json.loads((out / "eval" / "after" / "summary.json").read_text())["summary"]["accuracy"]
+    assert cli_acc["avg@1"]["mean"] == after["avg@1"]["mean"]
+    assert cli_acc["best_of_2"]["mean"] == after["best_of_2"]["mean"]
 
 
 @pytest.mark.parametrize("rung", ["lookup", "micro_bug"])
