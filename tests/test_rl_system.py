@@ -2,6 +2,7 @@
 on local Ray with the NumPy fake learner/sampler (async, sync, fault injection, resume) and with the real
 tiny model (rl_step + InferenceEngine)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -616,3 +617,97 @@ def test_agentic_reward_applies_the_configured_length_penalty_and_keeps_the_verd
     x = 6 + 3 + 0.25 * 4 + 50 * 1 + 50 * 2  # the default weights: tool output 0.25, tool calls and turns 50
     want = 1.0 - 0.01 * ((1 + 1e-3 * x) ** 0.5 - 1) / (1e-3 * 0.5)
     assert shaped_reward(1.0, traj, RewardConfig(length_penalty=lp)) == pytest.approx(want, rel=1e-9)
+
+
+# ------------------------------------------------------------------- agentic RL that learns, CI-sized
+AGENTIC_TINY = ["model.preset=tiny", "model.num_hidden_layers=2", "model.num_nextn_predict_layers=0",
+                "model.moe_impl=dense", "model.n_group=1", "model.topk_group=1", "env.kind=ladder",
+                "env.rungs=[lookup]", "env.lookup_keys=1", "env.per_rung=2", "env.eval_prompts=2",
+                "env.tokenizer=ladder-actions", "model.vocab_size=69", "env.sandbox=local",
+                "env.cache_verdicts=true", "env.episode.max_turns=2", "env.episode.tool_schemas=signatures",
+                "env.episode.max_new_tokens_per_turn=3", "env.episode.max_model_tokens=6", "system.seq_len=64",
+                "system.group_size=8", "system.groups_per_step=4", "engine.slots=8", "engine.max_len=64",
+                "engine.chunk_steps=2", "engine.key_bucket=32", "engine.min_prompt_bucket=16",
+                "system.max_staleness=1", "system.num_rollout_workers=1", "resume=false", "dashboard=false",
+                "checkpoint.every=100"]
+
+
+def test_ladder_action_tokenizer_makes_each_tool_call_one_token_and_keeps_only_task_words():
+    from c2jax.rl.harness import ChatRenderer
+    from c2jax.rl.harness.chat_format import parse_assistant_text, render_tool_call
+    from c2jax.rl.system.envs import chat_tokenizer
+    from c2jax.rl.tasks.ladder import closed_vocabulary
+
+    tok = chat_tokenizer("ladder-actions")
+    assert tok.get_vocab_size() == 69  # the size AGENTIC_TINY and the config comment state
+    r = ChatRenderer(tok)
+    words, values = closed_vocabulary()
+    for v in values:  # one id per write call; decoded, the harness parses the call back
+        (i,) = r.encode_model_text(render_tool_call("write_file", {"path": "answer.txt", "content": f"{v}\n"}))
+        (call,) = parse_assistant_text(r.decode([i, r.im_end_id]), "c").tool_calls
+        assert (call.name, call.arguments, call.error) == ("write_file", {"path": "answer.txt", "content": f"{v}\n"},
+                                                           None)
+    (i,) = r.encode_model_text(render_tool_call("read_file", {"path": "settings.ini"}))
+    # environment text: only the words that carry the task survive (a settings line, the prompt)
+    assert [tok.id_to_token(t) for t in r.encode_env("1\tgrove = navy\n")] == ["grove", "navy"]
+    assert [tok.id_to_token(t) for t in r.encode_env("value of grove -> answer.txt")] == ["value", "of", "grove"]
+    assert r.encode_env("Wrote 5 bytes to answer.txt") == []
+    assert set(words) >= set(values) and all(tok.token_to_id(w) is not None for w in words)
+
+
+def test_verdict_cache_grades_each_final_diff_once(tmp_path):
+    from c2jax.rl.system.config import EnvConfig
+    from c2jax.rl.system.envs import EnvironmentHost
+    from c2jax.rl.tasks.ladder import build_ladder
+    from c2jax.rl.tasks.task import load_task
+
+    (task_dir,) = build_ladder(tmp_path / "tasks", seed=0, per_rung=1, rungs=("lookup",))
+    task = load_task(task_dir)
+    for cache in (True, False):
+        host = EnvironmentHost(EnvConfig(kind="ladder", sandbox="local", cache_verdicts=cache), {task.id: task_dir})
+        first = [host.grade_patch(task.id, p) for p in (task.solution_patch, "")]
+        again = [host.grade_patch(task.id, p) for p in (task.solution_patch, "")]
+        assert [f[0] for f in first] == [a[0] for a in again] == [1.0, 0.0]
+        assert host.verdict_cache_hits == (2 if cache else 0)
+        assert all(a[1].get("cached", False) == cache for a in again) and not any("cached" in f[1] for f in first)
+
+
+def test_a_run_whose_every_episode_fails_stops_with_the_error(ray_local, tmp_path):
+    """A setting that fails every episode (here: prompts longer than the sampler's cache) ends the run after
+    system.max_failed_groups_in_row groups with the episodes' error, instead of dispatching forever; the
+    failed groups are in the store."""
+    from c2jax.rl.system.reconciler import run_system
+
+    cfg = load_system_config(None, [*AGENTIC_TINY, f"output_dir={tmp_path}", "name=fails", "engine.max_len=8",
+                                    "system.max_failed_groups_in_row=3", "system.max_episode_retries=0"])
+    with pytest.raises(RuntimeError, match=r"(?s)3 groups in a row failed.*max_failed_groups_in_row=3.*"
+                                           r"ContextWindowExceeded"):
+        run_system(cfg)
+    events = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "errored" for e in events) >= 3
+
+
+@pytest.mark.slow
+def test_agentic_rl_from_scratch_raises_the_hidden_test_reward(ray_local, tmp_path):
+    """The whole agentic path learns, small enough for CI: a tiny model from random initialisation, the ladder's
+    `lookup` tasks (2 train tasks, 2 turns, tools in a sandbox, graded by the hidden pytest), the action
+    tokenizer (a tool call is one token), async RL on Ray with the real engine and learner. 30 steps of 32
+    episodes. A random policy writes the right value about 3% of the time; the criterion: the hidden-test
+    pass rate over the last 10 steps' episodes exceeds that over the first 5 steps' by at least 0.2, with a
+    one-sided Fisher exact test at p < 1e-6. Measured (seeds 0-2, 2-core VM): first 5 steps 0.019 / 0.031 / 0.025,
+    last 10 0.50 / 0.44 / 0.41 (lr 1e-2; at 2e-2 the policy collapsed onto one answer for both tasks within
+    25 steps, and the reward fell back toward 0.25)."""
+    from scipy.stats import fisher_exact
+
+    from c2jax.rl.system.reconciler import run_system
+
+    cfg = load_system_config(None, [*AGENTIC_TINY, f"output_dir={tmp_path}", "name=learns", "rl.learning_rate=1e-2",
+                                    "system.steps=30"])
+    out = run_system(cfg)
+    assert out["version"] == 30 and out["counts"].get("episodes_errored", 0) == 0
+    per_step = 4 * 8
+    wins = [round(row["reward/mean"] * per_step) for row in out["history"]]
+    first, last = sum(wins[:5]), sum(wins[-10:])
+    n_first, n_last = 5 * per_step, 10 * per_step
+    p = fisher_exact([[last, n_last - last], [first, n_first - first]], alternative="greater").pvalue
+    assert last / n_last - first / n_first >= 0.2 and p < 1e-6, (wins, p)

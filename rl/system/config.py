@@ -43,6 +43,10 @@ class SystemConfig:
     group_timeout_s: float = 600.0  # a group not back by then is abandoned and re-queued
     max_group_retries: int = 2  # re-dispatches of a group whose worker died or timed out
     max_episode_retries: int = 1  # re-runs of an episode whose environment call failed
+    # this many groups in a row with every episode failed (or lost) end the run with the last error: a setting
+    # that fails every episode (a prompt longer than engine.max_len, a broken tool) stops at once instead of
+    # dispatching forever; 0: never
+    max_failed_groups_in_row: int = 8
     max_restarts: int = 3  # Ray actor restarts
     in_flight_updates: bool = True  # swap weights between decode chunks; False: only between groups
     recompute_cache: bool = True  # on an in-flight swap, re-prefill live sequences under the new weights
@@ -56,8 +60,10 @@ class SystemConfig:
                      "num_env_workers", "seq_len", "min_rows"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"system.{name} must be positive, got {getattr(self, name)}")
-        if self.max_staleness < 0 or self.max_group_retries < 0 or self.max_episode_retries < 0:
-            raise ConfigError("system.max_staleness, max_group_retries, max_episode_retries must be >= 0")
+        if self.max_staleness < 0 or self.max_group_retries < 0 or self.max_episode_retries < 0 \
+                or self.max_failed_groups_in_row < 0:
+            raise ConfigError("system.max_staleness, max_group_retries, max_episode_retries, "
+                              "max_failed_groups_in_row must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,9 @@ class EnvConfig:
     kind: Literal["target", "ladder", "text"] = "target"
     # the chat tokenizer of `ladder` and `text` (prompts, tool results, grading, the eval checkpoint agent):
     # "" = the byte-level tokenizer (256 byte tokens + the chat special tokens, 264 ids); otherwise a Hugging
-    # Face `tokenizers` JSON file (tokenizer.json) or a directory holding one, e.g. a trained BPE. The chat
+    # Face `tokenizers` JSON file (tokenizer.json) or a directory holding one, e.g. a trained BPE; or
+    # "ladder-actions": one token per tool call of the echo / lookup rungs, environment text cut to the words
+    # that carry the task (rl/system/envs.py ladder_action_tokenizer; 69 ids). The chat
     # special tokens are added when missing; model.vocab_size must cover the result (checked at start)
     tokenizer: str = ""
     num_prompts: int = 64
@@ -117,6 +125,10 @@ class EnvConfig:
     rungs: tuple[str, ...] = ("answer",)
     per_rung: int = 8
     lookup_keys: int = 2  # keys per `lookup` settings file (1: read and copy the value; more: find the key too)
+    # grade each (task, final diff) once per environment worker and reuse the verdict: sound when the hidden
+    # tests are deterministic (the ladder's are), and RL samples often end on the same diff (a converging
+    # policy, a small answer space); off for suites with flaky or time-dependent tests
+    cache_verdicts: bool = False
     sandbox: Literal["bwrap", "local"] = "bwrap"
     # tasks whose task.toml permits the public internet share the host's network (bwrap --share-net);
     # off: every task runs offline (docs/sandbox.md, "Network")

@@ -18,6 +18,7 @@ exactly as in evaluation, and the tools and system prompt name the task's workin
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -138,6 +139,39 @@ def byte_tokenizer():
     return tok
 
 
+LADDER_ACTIONS = "ladder-actions"  # the env.tokenizer value that selects ladder_action_tokenizer()
+
+
+def ladder_action_tokenizer():
+    """An action-level chat tokenizer for the `echo` and `lookup` ladder rungs, small enough that a model of a
+    few thousand parameters learns agentic RL from scratch in CI (env.tokenizer=ladder-actions).
+
+    Every tool call these rungs need is one token: reading settings.ini, and writing each of the 16 answer
+    values to answer.txt. Environment text keeps only the words that carry a task's information (senders,
+    keys, values, "value of"): everything else (the system prompt, role names, tool output framing) is dropped
+    by the pre-tokenizer, so an episode is a few dozen tokens and an observation is, e.g., `grove navy` for
+    the settings line `grove = navy`. The model still acts through the real harness, tools, sandbox and
+    hidden-test grader; only the encoding of text into tokens is coarse. Sampled words that are not tool calls
+    decode to plain text (a turn without a tool call ends the episode)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+
+    from c2jax.rl.harness import add_chat_special_tokens
+    from c2jax.rl.harness.chat_format import render_tool_call
+    from c2jax.rl.tasks.ladder import closed_vocabulary
+
+    words, values = closed_vocabulary()
+    words = [*words, "value", "of", "write"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    keep = "|".join(words)
+    # removed: any other word, punctuation and whitespace (Oniguruma regex: a word not in `keep`)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf"\b(?!(?:{keep})\b)\w+\b|[^\w\s]+|\s+"), behavior="removed")
+    add_chat_special_tokens(tok)
+    calls = [render_tool_call("read_file", {"path": "settings.ini"})]
+    calls += [render_tool_call("write_file", {"path": "answer.txt", "content": f"{v}\n"}) for v in values]
+    tok.add_tokens([AddedToken(c, normalized=False) for c in calls])
+    return tok
+
+
 def tokenizer_file(spec: str) -> Path:
     """The tokenizer.json that `env.tokenizer` names: the file itself, or `tokenizer.json` in a directory."""
     path = Path(spec).expanduser()
@@ -146,11 +180,14 @@ def tokenizer_file(spec: str) -> Path:
 
 def tokenizer_name(spec: str = "") -> str:
     """How errors name the chat tokenizer `env.tokenizer=spec` selects."""
+    if spec == LADDER_ACTIONS:
+        return f"the ladder action tokenizer (env.tokenizer={LADDER_ACTIONS})"
     return "the byte tokenizer" if not spec else f"the tokenizer {tokenizer_file(spec)} (env.tokenizer)"
 
 
 def chat_tokenizer(spec: str = ""):
-    """The chat tokenizer `env.tokenizer` selects: "" = `byte_tokenizer()`; otherwise a Hugging Face
+    """The chat tokenizer `env.tokenizer` selects: "" = `byte_tokenizer()`; "ladder-actions" =
+    `ladder_action_tokenizer()`; otherwise a Hugging Face
     `tokenizers` JSON file or a directory holding tokenizer.json, with the chat special tokens added (a no-op
     for those already present). A missing or unreadable file is a ValueError naming env.tokenizer and the
     path. Each call returns a new Tokenizer (adding the chat tokens mutates it)."""
@@ -160,6 +197,8 @@ def chat_tokenizer(spec: str = ""):
 
     if not spec:
         return byte_tokenizer()
+    if spec == LADDER_ACTIONS:
+        return ladder_action_tokenizer()
     path = tokenizer_file(spec)
     if not path.is_file():
         raise ValueError(f"env.tokenizer: {path} is not readable (no such file); expected a Hugging Face "
@@ -189,6 +228,8 @@ class EnvironmentHost:
         self._delay_rng = np.random.default_rng(0)
         self._delay_lock = threading.Lock()
         self._sandbox_lock = threading.Lock()
+        self._verdicts: dict[tuple[str, str], tuple[float, dict]] = {}  # env.cache_verdicts
+        self.verdict_cache_hits = 0
 
     def grade_target(self, tokens: list[int]) -> float:
         self._sleep_delay()
@@ -268,8 +309,17 @@ class EnvironmentHost:
     def grade_patch(self, task_id: str, patch: str) -> tuple[float, dict]:
         from c2jax.rl.tasks.grading import grade
 
+        key = (task_id, hashlib.sha256(patch.encode()).hexdigest())
+        if self.cfg.cache_verdicts and key in self._verdicts:
+            self.verdict_cache_hits += 1
+            reward, info = self._verdicts[key]
+            return reward, {**info, "cached": True}
         result = grade(self._task(task_id), patch, self._factory())
-        return float(result.reward), {"status": result.status}
+        out = float(result.reward), {"status": result.status}
+        # only the tests' own verdicts: an environment failure or a timeout is graded again next time
+        if self.cfg.cache_verdicts and result.status in ("resolved", "unresolved", "patch_failed"):
+            self._verdicts[key] = out
+        return out
 
 
 # ---------------------------------------------------------------------------------- rollout-worker side

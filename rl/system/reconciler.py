@@ -67,6 +67,7 @@ class Reconciler:
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.counts = collections.Counter()
+        self.failed_in_row, self.last_failure = 0, ""
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self.ready: collections.deque[Group] = collections.deque()
@@ -250,7 +251,12 @@ class Reconciler:
             self.staleness.on_skipped()
             self.store.put(group)
             self.store.mark(group.group_id, "errored")
+            if all(r.errored for r in group.rollouts):
+                self._note_failure(group.rollouts[0].error)
+            else:
+                self.failed_in_row = 0
             return
+        self.failed_in_row = 0
         self.curriculum.observe(group.prompt_id, np.mean([r.turns for r in group.rollouts]),
                                 np.mean([r.model_tokens for r in group.rollouts]))
         if self.cfg.curriculum.skip_zero_variance and group.zero_variance:
@@ -272,6 +278,16 @@ class Reconciler:
             self.counts["groups_lost"] += 1
             self.counts["episodes_errored"] += spec.get("group_size", self.cfg.system.group_size)
             self.store.mark(spec["group_id"], "lost", error=why, prompt_id=spec["prompt_id"])
+            self._note_failure(why)
+
+    def _note_failure(self, error: str) -> None:
+        self.failed_in_row, self.last_failure = self.failed_in_row + 1, error or ""
+        limit = self.cfg.system.max_failed_groups_in_row
+        if limit and self.failed_in_row >= limit:
+            # every group is already in the store, marked errored or lost: stopping loses nothing
+            raise RuntimeError(
+                f"{self.failed_in_row} groups in a row failed in every episode (system.max_failed_groups_in_row="
+                f"{limit}), so the run stops; the last error:\n{self.last_failure.strip()[-2000:]}")
 
     def _on_trained(self) -> None:
         metrics_ref, info = self.training

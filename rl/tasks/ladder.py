@@ -44,6 +44,13 @@ _ECHO_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "h
 _SENDERS = sorted(set(_ECHO_WORDS) | set(_WORDS))  # 24 words, none of them a value
 
 
+def closed_vocabulary() -> tuple[list[str], list[str]]:
+    """(words, values): every word that carries an `echo` or `lookup` task's information (senders, keys,
+    values), and the values an answer can be. The ladder's action tokenizer (rl/system/envs.py) is built on
+    them."""
+    return sorted(set(_SENDERS) | set(_VALUES)), list(_VALUES)
+
+
 def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
     # one quoted value word to copy and a sender word not to: 16 x 24 = 384 tasks. A held-out task is a pair no
     # train task has, so it is solved only by copying the quoted word from the prompt. (Two quoted words to copy
