@@ -156,6 +156,12 @@ def test_online_eval_uses_the_canonical_estimators():
     assert per["a"] == {"avg@1": 0.5, "pass@2": 1.0, "best_of_2": 0.0} and per["c"]["best_of_2"] == 1.0
     with pytest.raises(ValueError, match="prompts, 3"):
         eval_scores(rewards, scores, 3, 1.0)
+    # K = 4 also gives pass@2 and best-of-2 from the same 4 samples: one success, scored lowest (prompt a:
+    # any pair holding it holds a higher-scored failure) or highest (b: picked whenever a pair holds it, which
+    # 3 of the C(4, 2) = 6 pairs do)
+    got = eval_scores([[1.0, 0, 0, 0], [0, 0, 0, 1.0]], [[0, 1, 2, 3], [0, 1, 2, 3]], 4, 1.0, prompt_ids=["a", "b"])
+    assert got["per_prompt"]["a"] == {"avg@1": 0.25, "pass@2": 0.5, "best_of_2": 0.0, "pass@4": 1.0, "best_of_4": 0.0}
+    assert got["per_prompt"]["b"] == {"avg@1": 0.25, "pass@2": 0.5, "best_of_2": 0.5, "pass@4": 1.0, "best_of_4": 1.0}
 
 
 # --------------------------------------------------------------------------------------- runs on Ray

@@ -499,7 +499,8 @@ def model_score(rollout) -> float:
 def eval_scores(rewards, scores, k: int, success_threshold: float, prompt_ids=None) -> dict:
     """Online-eval scores of a [prompts, K] reward matrix with the canonical estimators (c2jax.rl.eval.metrics,
     docs/eval.md): a sample succeeds when its reward >= success_threshold; avg@1 = mean over prompts of
-    c/n, pass@K, and best-of-K with the model_score selector (the sample the policy is most confident in).
+    c/n, pass@K, and best-of-K with the model_score selector (the sample the policy is most confident in); also
+    pass@j and best-of-j for every power of two j < K.
     `reward/mean` is the plain mean reward (the target task's reward is fractional). With `prompt_ids`, also
     `per_prompt`: {prompt id: {metric: value}}, for intervals and paired comparisons across evals (the
     reconciler keeps it in the eval history and out of the scalar metrics)."""
@@ -509,9 +510,12 @@ def eval_scores(rewards, scores, k: int, success_threshold: float, prompt_ids=No
     if rw.ndim != 2 or rw.shape[1] != k or np.shape(scores) != rw.shape:
         raise ValueError(f"expected [prompts, {k}] rewards and scores, got {rw.shape} and {np.shape(scores)}")
     ok = rw >= success_threshold
-    per = {"avg@1": [float(row.mean()) for row in ok],
-           f"pass@{k}": [pass_at_k(k, int(row.sum()), k) for row in ok],
-           f"best_of_{k}": [best_of_k(list(o), list(sc), k) for o, sc in zip(ok, scores)]}
+    per = {"avg@1": [float(row.mean()) for row in ok]}
+    # K and every smaller power of two, from the same K samples (unbiased subset estimators): best-of-4 can sit
+    # at its ceiling where best-of-2 still moves
+    for j in sorted({2 ** i for i in range(1, k.bit_length()) if 2 ** i < k} | {k}):
+        per[f"pass@{j}"] = [pass_at_k(k, int(row.sum()), j) for row in ok]
+        per[f"best_of_{j}"] = [best_of_k(list(o), list(sc), j) for o, sc in zip(ok, scores)]
     out = {key: mean(v) for key, v in per.items()} | {"reward/mean": float(rw.mean())}
     if prompt_ids is not None:
         if len(prompt_ids) != rw.shape[0]:

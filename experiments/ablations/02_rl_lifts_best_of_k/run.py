@@ -76,12 +76,17 @@ def run_ladder(raw: dict, quick: bool, work: Path) -> tuple[dict, dict]:
 
 
 def with_intervals(evals: list[dict], k: int, seed: int) -> list[dict]:
-    """Each eval row gets a 95% percentile-bootstrap interval over prompts for avg@1 and best-of-K and, from the
-    second row on, the paired difference from the first (step-0) row, prompt by prompt."""
+    """Each eval row gets a 95% percentile-bootstrap interval over prompts for avg@1, best-of-j and pass@j (every
+    j the evaluator reported, K included) and, from the second row on, the paired difference from the first
+    (step-0) row, prompt by prompt."""
     from c2jax.rl.eval.metrics import bootstrap_ci
     from c2jax.rl.eval.summary import paired_difference
 
-    keys = ["avg@1", f"best_of_{k}"]
+    metrics = next((next(iter(r["per_prompt"].values())) for r in evals if r.get("per_prompt")), {})
+    # best-of-j / pass@j for every j the evaluator reported (K and the powers of two below it)
+    keys = ["avg@1", *sorted((m for m in metrics if m.startswith(("best_of_", "pass@"))),
+                             key=lambda m: (m.startswith("pass@"), int(m.split("_")[-1].split("@")[-1])))]
+    keys = keys if len(keys) > 1 else ["avg@1", f"best_of_{k}"]
     rows = []
     for row in evals:
         per = row.get("per_prompt")
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         out, demo_cfg = run_ladder(raw, args.quick, out_dir / "runs" / "demo")  # gitignored under results/
     k = int(raw["k"]) if not args.quick else 2
+    # the headline best-of-K (the evaluator also reports every power of two below k from the same samples)
+    hk = min(int(raw.get("best_of", k)), k)
     evals = with_intervals([{key: (float(v) if isinstance(v, float) else v) for key, v in row.items()}
                             for row in out["eval"]], k, int(raw["seed"]))
     train = [{"step": r["step"], "reward": r["reward/mean"]} for r in out["history"]]
@@ -120,13 +127,13 @@ def main(argv: list[str] | None = None) -> dict:
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     with SummaryWriter(str(out_dir / "tb")) as tb:
         for row in evals:
-            for key in ("avg@1", f"pass@{k}", f"best_of_{k}"):
+            for key in sorted({"avg@1", f"pass@{hk}", f"best_of_{hk}", f"pass@{k}", f"best_of_{k}"}):
                 tb.add_scalar(f"eval/{key}", row[key], row["step"])
         for row in train:
             tb.add_scalar("train/reward", row["reward"], row["step"])
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     steps = [r["step"] for r in evals]
-    for key, style in (("avg@1", "o-"), (f"best_of_{k}", "s-"), (f"pass@{k}", "^--")):
+    for key, style in (("avg@1", "o-"), (f"best_of_{hk}", "s-"), (f"pass@{hk}", "^--")):
         (line,) = ax.plot(steps, [r[key] for r in evals], style, label=key)
         if all(f"{key}/ci" in r for r in evals):  # 95% bootstrap band over prompts
             ax.fill_between(steps, [r[f"{key}/ci"][0] for r in evals], [r[f"{key}/ci"][1] for r in evals],
@@ -137,14 +144,14 @@ def main(argv: list[str] | None = None) -> dict:
     fig.tight_layout()
     fig.savefig(out_dir / "rl_lifts_best_of_k.png", dpi=80)
     plt.close(fig)
+    shown = list(dict.fromkeys(["avg@1", f"best_of_{hk}", f"pass@{hk}", f"best_of_{k}", f"pass@{k}"]))
     for row in evals:
         ci = {key: (f" [{row[f'{key}/ci'][0]:.3f}, {row[f'{key}/ci'][1]:.3f}]" if f"{key}/ci" in row else "")
-              for key in ("avg@1", f"best_of_{k}")}
-        line = (f"step {row['step']:3d}: avg@1 {row['avg@1']:.3f}{ci['avg@1']}  best-of-{k} "
-                f"{row[f'best_of_{k}']:.3f}{ci[f'best_of_{k}']}  pass@{k} {row[f'pass@{k}']:.3f}")
+              for key in shown}
+        line = f"step {row['step']:3d}: " + "  ".join(f"{key} {row[key]:.3f}{ci[key]}" for key in shown)
         if "vs_step0" in row:
             line += "  vs step 0: " + ", ".join(f"{key} {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-                                                for key, d in row["vs_step0"].items())
+                                                for key, d in row["vs_step0"].items() if key in shown)
         print(line)
     return result
 
