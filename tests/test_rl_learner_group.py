@@ -111,8 +111,7 @@ def test_config_checks_of_a_learner_group():
     assert ok.learner.num_processes == 2 and load_system_config(None, []).learner.num_processes == 1
     for extra, msg in [(["learner.num_processes=0"], "must be >= 1"),
                        (["learner.num_processes=2", "mesh.data=1", "mesh.fsdp=1"], "mesh must span"),
-                       (["learner.num_processes=2", "backend.learner=fake"], "needs backend.learner=rl"),
-                       (["learner.num_processes=2", "weight_sync.publish_dir=/tmp/x"], "not supported yet")]:
+                       (["learner.num_processes=2", "backend.learner=fake"], "needs backend.learner=rl")]:
         with pytest.raises(ConfigError, match=msg):
             load_system_config(None, [*TINY, *extra])
 
@@ -177,7 +176,8 @@ def group_run(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("group")
     cfg1 = load_system_config(None, [*TINY, f"output_dir={tmp}", "name=one"])
     cfg2 = load_system_config(None, [*TINY, f"output_dir={tmp}", "name=two", "learner.num_processes=2",
-                                     "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK"])
+                                     "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK",
+                                     f"weight_sync.publish_dir={tmp / 'store'}"])
     batches = _batches(0)
     seconds = {}
     t = time.perf_counter()
@@ -211,6 +211,13 @@ def group_run(ray_cluster, tmp_path_factory):
             synced.append(worker.sync(chain.payloads()))
         got_version, got = worker.synced_weights()
         learner_w = group.full_weights(timeout=240)
+        # shared storage: each process published its own shard chain; a follower with only the directory
+        # assembles them (before run_system below trains the group on)
+        from c2jax.rl.system.packet_store import open_follower
+
+        follower = open_follower(tmp / "store")
+        follower.wait_for(STEPS, timeout_s=60)
+        followed = (follower.version, follower.weights, sorted(p.name for p in (tmp / "store").iterdir()))
         packets = [ray_get(r) for r in chain.payloads()[-1]]
         seconds["2 processes, 4 steps"] = time.perf_counter() - t
         # the same group in a whole run (run_system): engine samplers assemble its shard packets
@@ -234,7 +241,8 @@ def group_run(ray_cluster, tmp_path_factory):
           f"; steps 2-4: 1 x 8 {np.mean(one_s[1:]):.3f} s each, 2 x 4 {np.mean(step_s[1:]):.3f} s each (rl_step, "
           "encoding and, for the group, Ray calls); bytes sent per packet by process 0 / 1: " +
           ", ".join(f"v{m['sync/stats_version']:.0f} {m['sync/bytes/p0']:.0f} / {m['sync/bytes/p1']:.0f}" for m in two))
-    return dict(ref=ref, two=two, synced=synced, got=got, got_version=got_version, learner_w=learner_w,
+    return dict(followed=followed, ref=ref, two=two, synced=synced, got=got, got_version=got_version,
+                learner_w=learner_w,
                 one_w=one.weights(), w0_one=w0_one, w0_two=w0_two, packets=packets, chain=chain,
                 killed=str(killed.value), seconds=seconds, run=run)
 
@@ -325,3 +333,13 @@ def test_a_run_with_a_learner_group_trains_and_its_samplers_load_the_learners_we
     for row in out["history"]:
         assert row["tokens_trained"] == 2 * 4 * 4 and np.isfinite(row["loss"])
         assert row["sync/bytes/p0"] > 0 and row["sync/bytes/p1"] > 0
+
+
+def test_a_sampler_outside_ray_follows_the_groups_shard_chains_in_shared_storage(group_run):
+    """weight_sync.publish_dir with 2 learner processes: each publishes the pieces it owns to its own chain,
+    and a follower that shares only the directory assembles the learner's exact weights."""
+    version, weights, entries = group_run["followed"]
+    assert entries == ["process-0000-of-0002", "process-0001-of-0002", "shards.json"]
+    assert version == STEPS and set(weights) == set(group_run["learner_w"])
+    for k, w in group_run["learner_w"].items():
+        assert weights[k].dtype == w.dtype and weights[k].tobytes() == w.tobytes(), k

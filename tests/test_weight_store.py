@@ -69,9 +69,9 @@ class SyntheticLearner:
 FOLLOWER = textwrap.dedent("""
     import json, pickle, sys
     from pathlib import Path
-    from c2jax.rl.system.packet_store import PacketFollower
+    from c2jax.rl.system.packet_store import open_follower
 
-    follower = PacketFollower(sys.argv[1])
+    follower = open_follower(sys.argv[1])  # one chain, or a multi-process learner's shard chains
     polls = 0
     for line in sys.stdin:
         if line.strip() == "quit":
@@ -371,3 +371,104 @@ def test_learner_actor_publishes_every_packet(tmp_path):
     manifest = json.loads((tmp_path / "store" / MANIFEST).read_text())
     assert [(e["version"], e["kind"]) for e in manifest["packets"]] == [(0, "full"), (1, "delta"), (2, "full"),
                                                                        (3, "delta")]
+
+
+# ------------------------------------------------------------------------ a multi-process learner's store
+def _split(weights: dict[str, np.ndarray]) -> list[tuple[dict, dict]]:
+    """Two processes' (pieces, layout), as RLLearner.owned_shards makes them: every element of every weight
+    in exactly one piece (embed by rows, the bf16 matrix by columns, the small leaves whole)."""
+    from c2jax.rl.system.weight_sync import piece_name
+
+    cuts = {"params/embed": [((0, 40), (0, 32)), ((40, 64), (0, 32))],
+            "params/layer0/w": [((0, 32), (0, 16)), ((0, 32), (16, 48))],
+            "params/layer0/b": [((0, 48),), None], "model_state/count": [None, ((0, 3),)]}
+    out = []
+    for rank in (0, 1):
+        pieces, layout = {}, {}
+        for leaf, w in weights.items():
+            bounds = cuts[leaf][rank]
+            if bounds is not None:
+                name = piece_name(leaf, bounds)
+                pieces[name] = np.ascontiguousarray(w[tuple(slice(a, b) for a, b in bounds)])
+                layout[name] = (leaf, w.shape, bounds)
+        out.append((pieces, layout))
+    return out
+
+
+def test_a_two_process_learner_publishes_shard_chains_that_a_follower_process_assembles(tmp_path):
+    """Each learner process publishes its own chain (the pieces it owns) and their layout; a follower process
+    sharing only the directory assembles the learner's exact weights, at the newest version BOTH chains list
+    (process 0 publishing ahead of process 1 is never half-applied), and a corrupt delta in one chain holds
+    the assembled weights until that chain's next full packet."""
+    from c2jax.rl.system.packet_store import ShardedPacketFollower, ShardPublisher, open_follower
+    from c2jax.rl.system.weight_sync import ShardPacket
+
+    store = tmp_path / "store"
+    learner = SyntheticLearner(2)
+    encoders = [DeltaEncoder(full_every=4) for _ in range(2)]
+    pubs = [ShardPublisher(store, rank, 2, keep_full=2) for rank in range(2)]
+    assert isinstance(open_follower(store), ShardedPacketFollower)
+    follower = FollowerProcess(str(store))
+
+    def publish(rank, v, parts):
+        pieces, layout = parts[rank]
+        return pubs[rank].publish(ShardPacket(encoders[rank].encode(pieces, v), rank, 2, layout))
+
+    try:
+        truth, pending = {}, None
+        for v in range(12):
+            weights = learner.step()
+            truth[v] = digest(weights)
+            parts = _split(weights)
+            publish(0, v, parts)  # process 0 is one version ahead of process 1 at every poll
+            if pending is not None:
+                publish(1, v - 1, pending)
+                if v - 1 == 5:  # process 1's delta v5 corrupted
+                    path = packet_path(store / "process-0001-of-0002", 5)
+                    data = bytearray(open(path, "rb").read())
+                    data[len(data) // 2] ^= 0xFF
+                    open(path, "wb").write(bytes(data))
+            pending = parts
+            r = follower.poll()
+            if v == 0:
+                assert r["version"] == -1 and r["applied"] == []  # process 1 has published nothing yet
+            elif v - 1 in (5, 6, 7):  # v6, v7 build on the corrupt v5: the weights of v4 stay
+                assert r["version"] == 4 and r["digest"] == truth[4] and r["waiting"]
+                assert any(why.startswith("process 1: corrupt: sha256") for _, why in r["skipped"]) or v - 1 != 5
+            else:  # the newest version both chains list, exact; again right at the full packet v8
+                assert r["version"] == v - 1 and r["applied"] == [v - 1] and not r["waiting"], r
+                assert r["digest"] == truth[v - 1]
+        assert r["dtypes"]["params/layer0/w"] == "bfloat16"
+    finally:
+        follower.close()
+    # a store is one learner's: another process count, or a one-process learner, is refused (and vice versa)
+    with pytest.raises(WeightStoreError, match="2-process learner, this one has 4"):
+        ShardPublisher(store, 0, 4)
+    with pytest.raises(WeightStoreError, match="multi-process learner's shard chains"):
+        PacketPublisher(store)
+    one = tmp_path / "one"
+    PacketPublisher(one).publish(DeltaEncoder().encode(learner.step(), 0))
+    with pytest.raises(WeightStoreError, match="one-process learner's chain"):
+        ShardPublisher(one, 0, 2)
+
+
+def test_a_shard_layout_changes_only_with_a_full_packet(tmp_path):
+    from c2jax.rl.system.packet_store import ShardedPacketFollower, ShardPublisher
+    from c2jax.rl.system.weight_sync import ShardPacket
+
+    learner, enc = SyntheticLearner(3), DeltaEncoder(full_every=100)
+    pub = ShardPublisher(tmp_path, 0, 1)
+    weights = learner.step()
+    whole = {f"{k}@": v for k, v in weights.items()}  # one process owning everything, as whole pieces
+    layout = {f"{k}@": (k, v.shape, tuple((0, n) for n in v.shape)) for k, v in weights.items()}
+    pub.publish(ShardPacket(enc.encode(whole, 0), 0, 1, layout))
+    fol = ShardedPacketFollower(tmp_path)
+    assert fol.poll().applied == [0] and digest(fol.weights) == digest(weights)
+    moved = {**layout, "model_state/count@": ("model_state/renamed", *layout["model_state/count@"][1:])}
+    weights = learner.step()
+    packet = enc.encode({f"{k}@": v for k, v in weights.items()}, 1)
+    assert packet.kind == "delta"
+    with pytest.raises(WeightStoreError, match="layout changed at delta v1"):
+        pub.publish(ShardPacket(packet, 0, 1, moved))
+    pub.publish(ShardPacket(packet, 0, 1, layout))  # the same layout: published, assembled
+    assert fol.poll().applied == [1] and digest(fol.weights) == digest(weights)

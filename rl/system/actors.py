@@ -20,7 +20,7 @@ from c2jax.rl.system.backends import make_learner, make_policy
 from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.envs import EnvironmentHost, chat_tokenizer, run_ladder_episode, run_target_group
 from c2jax.rl.system.groups import Group
-from c2jax.rl.system.packet_store import PacketPublisher
+from c2jax.rl.system.packet_store import PacketPublisher, ShardPublisher
 from c2jax.rl.system.weight_sync import DeltaDecoder, DeltaEncoder, ShardedDeltaDecoder, ShardPacket, ShardSet
 
 
@@ -35,12 +35,16 @@ class Learner:
         ws = cfg.weight_sync
         self.encoder = DeltaEncoder(ws.full_every, ws.compression, ws.level)
         # every packet also goes to shared storage (written on the encode thread, off the step's path)
-        self.publisher = PacketPublisher(ws.publish_dir, ws.keep_full) if ws.publish_dir else None
+        self.publisher = self._make_publisher() if ws.publish_dir else None
         self.busy_s = 0.0
         self._encoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")  # in version order
         self._packets: dict[int, Future] = {}
         self._last_stats: dict[str, float] = {}
         self._last_future: Future | None = None
+
+    def _make_publisher(self):
+        ws = self.cfg.weight_sync
+        return PacketPublisher(ws.publish_dir, ws.keep_full)
 
     def start(self, resume: bool):
         """(version, full packet): restores the latest checkpoint when resuming."""
@@ -157,12 +161,20 @@ class GroupLearner(Learner):
         self._layout = layout
         return pieces
 
+    def _make_publisher(self):
+        # each process publishes the chain of the pieces it owns to a sub-store of its own (packet_store.py)
+        ws = self.cfg.weight_sync
+        return ShardPublisher(ws.publish_dir, self.rank, self.cfg.learner.num_processes, ws.keep_full)
+
     def _encode(self, weights, version, force_full=False):
         packet = self.encoder.encode(weights, version, force_full=force_full)
         packet.stats["created"] = time.time()
+        shard = ShardPacket(packet, self.rank, self.cfg.learner.num_processes, self._layout)
+        if self.publisher is not None:
+            self.publisher.publish(shard)  # a failed write raises: packet(version) reports it
         self._last_stats = {**{f"sync/{k}": v for k, v in packet.stats.items() if k != "created"},
                             "sync/stats_version": float(version)}
-        return ShardPacket(packet, self.rank, self.cfg.learner.num_processes, self._layout)
+        return shard
 
     def train_rows(self, local_batch, rows: tuple[int, ...], global_rows: int) -> dict[str, float]:
         """One rl_step of the group on the global batch of which `local_batch` holds this process's rows."""

@@ -256,10 +256,6 @@ class RLSystemConfig:
             if -1 not in self.mesh.shape and self.mesh.num_devices == 1:
                 raise ConfigError(f"learner.num_processes={n}: the mesh must span every learner process's devices; "
                                   "set one mesh axis to -1 (e.g. mesh.fsdp=-1)")
-            if self.weight_sync.publish_dir:
-                raise ConfigError(f"weight_sync.publish_dir: publishing the shard packets of learner.num_processes="
-                                  f"{n} to shared storage is not supported yet; use one learner process or leave "
-                                  "publish_dir empty")
 
     @property
     def run_dir(self) -> Path:

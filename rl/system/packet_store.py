@@ -41,7 +41,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from c2jax.rl.system.weight_sync import DeltaDecoder, WeightPacket, WeightSyncError
+from c2jax.rl.system.weight_sync import DeltaDecoder, WeightPacket, WeightSyncError, assemble
 
 MAGIC = b"C2WP1\n"
 MANIFEST = "manifest.json"
@@ -234,6 +234,9 @@ class PacketPublisher:
         if keep_full < 1:
             raise ValueError(f"keep_full must be >= 1, got {keep_full}")
         self.storage = open_storage(location)
+        if self.storage.read(SHARDS) is not None:
+            raise WeightStoreError(f"{self.storage.url} holds a multi-process learner's shard chains; a one-process "
+                                   "learner needs an empty weight_sync.publish_dir or one of its own")
         self.keep_full = keep_full
         self.manifest = _read_manifest(self.storage) or {"format": FORMAT, "chain_id": uuid.uuid4().hex,
                                                           "epoch": 0, "latest": -1, "packets": []}
@@ -333,7 +336,13 @@ class PacketFollower:
             raise PacketFormatError("header disagrees with the manifest entry")
         return packet
 
-    def poll(self) -> FollowReport:
+    def latest(self) -> int:
+        """The newest version the store lists (-1: none yet)."""
+        manifest = _read_manifest(self.storage)
+        return -1 if manifest is None or not manifest["packets"] else max(e["version"] for e in manifest["packets"])
+
+    def poll(self, upto: int | None = None) -> FollowReport:
+        """Reads the manifest and applies what it can, up to version `upto` (None: everything listed)."""
         report = FollowReport()
         manifest = _read_manifest(self.storage)
         if manifest is None:
@@ -345,7 +354,8 @@ class PacketFollower:
                 # the learner rewound, or the store was started afresh: what we hold is not on this chain
                 self.waiting_for_full = True
             self.epoch, self._seen = epoch, -1
-        pending = [e for e in sorted(manifest["packets"], key=lambda e: e["version"]) if e["version"] > self._seen]
+        pending = [e for e in sorted(manifest["packets"], key=lambda e: e["version"])
+                   if e["version"] > self._seen and (upto is None or e["version"] <= upto)]
         fulls = [i for i, e in enumerate(pending) if e["kind"] == "full"]
         if fulls:  # start from the newest full packet: the deltas before it are superseded
             for e in pending[:fulls[-1]]:
@@ -384,16 +394,162 @@ class PacketFollower:
 
     def wait_for(self, version: int, timeout_s: float = 60.0, interval_s: float = 0.05) -> FollowReport:
         """Polls until the follower holds `version` or newer; raises TimeoutError with the skips if not."""
-        deadline = time.monotonic() + timeout_s
-        total = FollowReport()
-        while True:
-            r = self.poll()
-            total.applied += r.applied
-            total.skipped += r.skipped
-            total.version, total.waiting_for_full = r.version, r.waiting_for_full
-            if r.version >= version:
-                return total
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"weight follower at {self.storage.url}: holds v{r.version}, wanted v{version} "
-                                   f"after {timeout_s}s; skipped {total.skipped}")
-            time.sleep(interval_s)
+        return _wait_for(self, version, timeout_s, interval_s)
+
+
+def _wait_for(follower, version: int, timeout_s: float, interval_s: float) -> FollowReport:
+    deadline = time.monotonic() + timeout_s
+    total = FollowReport()
+    while True:
+        r = follower.poll()
+        total.applied += r.applied
+        total.skipped += r.skipped
+        total.version, total.waiting_for_full = r.version, r.waiting_for_full
+        if r.version >= version:
+            return total
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"weight follower at {follower.storage.url}: holds v{r.version}, wanted v{version} "
+                               f"after {timeout_s}s; skipped {total.skipped}")
+        time.sleep(interval_s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# multi-process learners (learner.num_processes > 1)
+#
+#     shards.json                       {"format", "num_processes": N}
+#     process-0000-of-0002/             process 0's own store: manifest.json, packets/, and
+#         layout.json                   where each of its pieces lies in its weight (rl/system/weight_sync.py)
+#     process-0001-of-0002/ ...
+#
+# Each learner process publishes the packets over the pieces it owns (a ShardPacket's WeightPacket: an
+# ordinary chain) to its own sub-store, as the report's trainer ranks upload their own diffs; a follower
+# follows the N chains up to the newest version all N list and assembles the full weights.
+
+SHARDS = "shards.json"
+LAYOUT = "layout.json"
+
+
+def process_store(location: str | os.PathLike, rank: int, num_processes: int) -> str:
+    """The sub-store learner process `rank` of `num_processes` publishes to."""
+    return f"{os.fspath(location).rstrip('/')}/process-{rank:04d}-of-{num_processes:04d}"
+
+
+def _layout_bytes(layout: dict) -> bytes:
+    return json.dumps({piece: [leaf, list(shape), [list(b) for b in bounds]]
+                       for piece, (leaf, shape, bounds) in sorted(layout.items())}).encode()
+
+
+class ShardPublisher:
+    """Learner process `rank`'s publisher: its ShardPackets' chain in its own sub-store, and their layout
+    (`layout.json`, written before the first packet and again, before a full packet, if it changes: a
+    restart on another mesh). A store made by a learner of another process count is refused."""
+
+    def __init__(self, location: str | os.PathLike, rank: int, num_processes: int, keep_full: int = 2):
+        if not 0 <= rank < num_processes:
+            raise ValueError(f"rank {rank} is not in 0..{num_processes - 1}")
+        root = open_storage(location)
+        if root.read(MANIFEST) is not None:
+            raise WeightStoreError(f"{root.url} holds a one-process learner's chain; a {num_processes}-process "
+                                   "learner needs an empty weight_sync.publish_dir or one of its own")
+        data = root.read(SHARDS)
+        if data is None:
+            # every process writes the same bytes: whichever rename lands last, the content is right
+            root.write_atomic(SHARDS, json.dumps({"format": FORMAT, "num_processes": num_processes}).encode())
+        elif json.loads(data).get("num_processes") != num_processes:
+            raise WeightStoreError(f"{root.url}/{SHARDS}: published by a {json.loads(data).get('num_processes')}-"
+                                   f"process learner, this one has {num_processes}; use another publish_dir")
+        self.publisher = PacketPublisher(process_store(location, rank, num_processes), keep_full)
+        self.storage = self.publisher.storage
+        old = self.storage.read(LAYOUT)
+        self._layout_sha = hashlib.sha256(old).hexdigest() if old is not None else None
+
+    def publish(self, shard) -> dict:
+        """Writes a ShardPacket (rl/system/weight_sync.py) to this process's chain; returns its entry."""
+        data = _layout_bytes(shard.layout)
+        sha = hashlib.sha256(data).hexdigest()
+        if sha != self._layout_sha:
+            if shard.kind != "full":
+                raise WeightStoreError(f"process {shard.process_index}: the pieces' layout changed at delta "
+                                       f"v{shard.version}; a new layout starts with a full packet")
+            self.storage.write_atomic(LAYOUT, data)
+            self._layout_sha = sha
+        return self.publisher.publish(shard.packet)
+
+
+class ShardedPacketFollower:
+    """Follows a multi-process learner's store (`shards.json` at its root) with nothing but its location:
+    one PacketFollower per process chain, each polled up to the newest version every chain lists, and the
+    full weights assembled (bit-exact) when all N hold the same version after a change. A corrupt or
+    missing packet in any chain holds the assembled weights where they were until that chain's next full
+    packet; the skips are reported with the process that had them."""
+
+    def __init__(self, location: str | os.PathLike):
+        self.location = os.fspath(location)
+        self.storage = open_storage(location)
+        self.followers: list[PacketFollower] = []
+        self.version = -1
+        self._weights: dict | None = None
+        self._changed = False
+        self.waiting_for_full = False
+        self.skipped: list[tuple[int, str]] = []
+
+    @property
+    def num_processes(self) -> int | None:
+        return len(self.followers) or None
+
+    @property
+    def weights(self):
+        return {} if self._weights is None else dict(self._weights)
+
+    def _attach(self) -> bool:
+        data = self.storage.read(SHARDS)
+        if data is None:
+            return False
+        try:
+            n = int(json.loads(data)["num_processes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightStoreError(f"unreadable {self.storage.url}/{SHARDS}: {e}") from None
+        self.followers = [PacketFollower(process_store(self.location, i, n)) for i in range(n)]
+        return True
+
+    def _layout(self, rank: int) -> dict:
+        data = self.followers[rank].storage.read(LAYOUT)
+        if data is None:
+            raise PacketFormatError(f"process {rank}: no {LAYOUT}")
+        return {piece: (leaf, tuple(shape), tuple(tuple(b) for b in bounds))
+                for piece, (leaf, shape, bounds) in json.loads(data).items()}
+
+    def poll(self) -> FollowReport:
+        report = FollowReport()
+        if self.followers or self._attach():
+            target = min(f.latest() for f in self.followers)
+            for rank, f in enumerate(self.followers):
+                r = f.poll(upto=target)
+                self._changed |= bool(r.applied)
+                report.skipped += [(v, f"process {rank}: {why}") for v, why in r.skipped]
+            versions = {f.version for f in self.followers}
+            if self._changed and len(versions) == 1 and min(versions) >= 0:
+                v = versions.pop()
+                try:
+                    weights = assemble([f.weights for f in self.followers],
+                                       [self._layout(i) for i in range(len(self.followers))])
+                except (WeightSyncError, PacketFormatError, ValueError, KeyError, OSError) as err:
+                    report.skipped.append((v, f"cannot assemble: {err}"))
+                else:
+                    self._weights, self.version, self._changed = weights, v, False
+                    report.applied.append(v)
+            self.waiting_for_full = any(f.waiting_for_full for f in self.followers)
+        self.skipped += report.skipped
+        report.version, report.waiting_for_full = self.version, self.waiting_for_full
+        return report
+
+    def wait_for(self, version: int, timeout_s: float = 60.0, interval_s: float = 0.05) -> FollowReport:
+        """Polls until the assembled weights are at `version` or newer; raises TimeoutError if not."""
+        return _wait_for(self, version, timeout_s, interval_s)
+
+
+def open_follower(location: str | os.PathLike):
+    """The follower for a store: ShardedPacketFollower where a multi-process learner publishes (shards.json
+    at the root), else PacketFollower."""
+    return ShardedPacketFollower(location) if open_storage(location).read(SHARDS) is not None \
+        else PacketFollower(location)
