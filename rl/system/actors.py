@@ -334,8 +334,8 @@ class LearnerGroup:
             except Exception as e:  # noqa: BLE001 -- RayActorError (died), task error
                 raise RuntimeError(
                     f"learner process {i} of {len(refs)} failed in `{what}` ({type(e).__name__}: {str(e)[:300]}); "
-                    "a jax.distributed group cannot go on without it. Rerun with resume=true to restart the "
-                    "group from its last checkpoint") from e
+                    "a jax.distributed group cannot go on without it. A run rebuilds the group from its last "
+                    "checkpoint (learner.max_group_restarts); past that, rerun with resume=true") from e
         return out
 
     def packet(self, version: int) -> list:
@@ -386,24 +386,50 @@ class RolloutWorker:
         self.swaps = 0
         self.sync_latency_s: list[float] = []
         self.incarnation = uuid.uuid4().hex[:8]  # changes when Ray restarts the actor
+        # bumped by `rewind` (a restarted learner group): chains of an older lineage are other weights now
+        self.lineage = 0
+        self._force_swap = False
 
     # weights ------------------------------------------------------------------------------------------
-    def sync(self, chain: list) -> int:
+    def sync(self, chain: list, lineage: int = 0) -> int:
         """Applies every packet of `chain` (ObjectRefs to the packets since the last full one) newer than
-        what this worker holds. Safe to call while a group is decoding."""
+        what this worker holds. Safe to call while a group is decoding. A chain of an older `lineage` than
+        the worker's (sent before a learner restart) is ignored."""
+        if lineage < self.lineage:
+            return self.decoder.version
+        if lineage > self.lineage:  # the learner restarted from a checkpoint: start over from its chain
+            return self.rewind(chain, lineage)
         packets = fetch_packets(self.ray, chain, self.cfg.system.call_timeout_s)
         with self._lock:
+            if lineage < self.lineage:  # rewound while the packets were fetched
+                return self.decoder.version
             for p in sorted(packets, key=lambda p: p.version):
                 if p.version > self.decoder.version and (p.kind == "full" or p.base_version == self.decoder.version):
                     self.decoder.apply(p)
                     self.sync_latency_s.append(time.time() - p.stats.get("created", time.time()))
         return self.decoder.version
 
+    def rewind(self, chain: list, lineage: int) -> int:
+        """After a learner restart: drop the weights held (newer versions of a lost lineage), take `chain`
+        (the restored checkpoint's full packet) as lineage `lineage`; the sampler loads it at its next swap
+        point, even though its version is lower than what it serves now."""
+        packets = fetch_packets(self.ray, chain, self.cfg.system.call_timeout_s)
+        n = self.cfg.learner.num_processes
+        decoder = DeltaDecoder() if n == 1 else ShardedDeltaDecoder(n)
+        for p in sorted(packets, key=lambda p: p.version):
+            decoder.apply(p)
+        with self._lock:
+            if lineage <= self.lineage:  # another thread rewound to this lineage first
+                return self.decoder.version
+            self.decoder, self.lineage, self._force_swap = decoder, lineage, True
+        return decoder.version
+
     def _maybe_swap(self) -> None:
         with self._lock:
-            if self.decoder.version <= self.policy.version:
+            if self.decoder.version <= self.policy.version and not self._force_swap:
                 return
             weights, version = self.decoder.weights, self.decoder.version
+            self._force_swap = False
         self.policy.load(weights, version)
         self.swaps += 1
 
@@ -440,7 +466,7 @@ class RolloutWorker:
 
     def _run_group(self, spec: dict, chain: list) -> Group:
         t0 = time.perf_counter()
-        self.sync(chain)
+        self.sync(chain, spec.get("lineage", 0))
         self._maybe_swap()
         if self.policy.version < 0:
             raise RuntimeError(f"rollout worker {self.worker_id} has no weights; the chain was empty")
@@ -489,11 +515,11 @@ class _TokenPolicy:
 class Evaluator(RolloutWorker):
     """Samples the held-out prompts K times with the weights of one version; scores with c2jax.rl.eval.metrics."""
 
-    def evaluate(self, prompt_ids: list[str], k: int, chain: list, seed: int) -> dict:
+    def evaluate(self, prompt_ids: list[str], k: int, chain: list, seed: int, lineage: int = 0) -> dict:
         rewards, scores = [], []
         for i, pid in enumerate(prompt_ids):
             spec = {"group_id": f"eval-{seed}-{i}", "prompt_id": pid, "seed": 10_000_000 + seed * 1000 + i,
-                    "group_size": k}
+                    "group_size": k, "lineage": lineage}
             rollouts = self.run_group(spec, chain).rollouts
             rewards.append([r.reward if r.correctness is None else r.correctness for r in rollouts])
             scores.append([model_score(r) for r in rollouts])

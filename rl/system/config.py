@@ -197,8 +197,14 @@ class LearnerConfig:
     # jax.distributed: a process silent this long is declared dead (the others abort); joining timeout
     heartbeat_timeout_s: int = 30
     initialization_timeout_s: int = 300
+    # a group whose process died (a jax.distributed process cannot rejoin alone) is torn down and rebuilt
+    # this many times in one run: the new group restores the newest checkpoint, samplers rewind to its
+    # weights, and every graded group not trained at or before that step is trained again; 0: the run stops
+    max_group_restarts: int = 2
 
     def __post_init__(self):
+        if self.max_group_restarts < 0:
+            raise ConfigError(f"learner.max_group_restarts must be >= 0, got {self.max_group_restarts}")
         if self.num_processes < 1:
             raise ConfigError(f"learner.num_processes must be >= 1, got {self.num_processes}")
         if self.cpu_devices_per_process < 0:

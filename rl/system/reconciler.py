@@ -68,6 +68,8 @@ class Reconciler:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.counts = collections.Counter()
         self.failed_in_row, self.last_failure = 0, ""
+        self.lineage = 0  # bumped when a restarted learner group rewinds the weights to its checkpoint
+        self.restarts: list[dict] = []
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self.ready: collections.deque[Group] = collections.deque()
@@ -184,7 +186,7 @@ class Reconciler:
                 self.counts["groups_dispatched"] += 1
             w = max(self.free_slots, key=lambda i: (self.free_slots[i], -i))  # the least loaded worker
             self.free_slots[w] -= 1
-            ref = self.workers[w].run_group.remote(spec, self.chain.payloads())
+            ref = self.workers[w].run_group.remote({**spec, "lineage": self.lineage}, self.chain.payloads())
             self.inflight[ref] = (spec, w, time.perf_counter())
             self.staleness.on_dispatch()
 
@@ -292,13 +294,17 @@ class Reconciler:
     def _on_trained(self) -> None:
         metrics_ref, info = self.training
         self.training = None
-        metrics = self.learner.result(metrics_ref, timeout=self.cfg.system.call_timeout_s)
+        try:
+            metrics = self.learner.result(metrics_ref, timeout=self.cfg.system.call_timeout_s)
+        except Exception as e:  # noqa: BLE001 -- a learner-group process died (RuntimeError), a timeout, ...
+            self._restart_learner(e)
+            return
         self.version += 1
         # the packet is still being encoded on the learner; samplers wait on this ref, the learner goes on
         packet_ref = self.learner.packet(self.version)
         self.chain.add(self.version, "full" if metrics.get("sync/full") else "delta", packet_ref)
         for wkr in self.workers:  # fire and forget: the learner never waits for a sampler
-            wkr.sync.remote(self.chain.payloads())
+            wkr.sync.remote(self.chain.payloads(), self.lineage)
         self.store.mark_trained(info["groups"], self.version)
         self.learner_busy_s += metrics.get("learner/step_s", 0.0)
         self.trained_rewards.append(info["reward"])
@@ -315,7 +321,48 @@ class Reconciler:
         if self.eval_ref is None and self.eval_due:
             version, payloads = self.eval_due.popleft()
             self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), self.cfg.eval.k, payloads,
-                                                           version)
+                                                           version, self.lineage)
+
+    def _restart_learner(self, error: Exception) -> None:
+        """A learner group whose process died cannot go on (a jax.distributed process cannot rejoin alone):
+        tear it down, build a new group that restores the newest checkpoint (step s), rewind every sampler to
+        s's weights (a new lineage: a sampler given its chain starts over from it, and chains of the old lineage
+        are ignored), and queue every graded group not trained
+        at a step <= s again (the updates after s were lost with the group). Up to
+        `learner.max_group_restarts` times; a one-process learner (Ray restarts its actor) or a learner the
+        caller owns is not rebuilt here: the error propagates."""
+        import ray
+
+        lc, sc = self.cfg.learner, self.cfg.system
+        if self._given_learner is not None or lc.num_processes == 1 or \
+                self.counts["learner_restarts"] >= lc.max_group_restarts:
+            raise error
+        self.counts["learner_restarts"] += 1
+        lost_version = self.version
+        why = f"{type(error).__name__}: {str(error)[:500]}"
+        print(f"learner group failed at step {lost_version + 1} ({why}); restarting it from its newest checkpoint "
+              f"(restart {self.counts['learner_restarts']} of {lc.max_group_restarts})", flush=True)
+        old = self.learner
+        self.actors = [a for a in self.actors if all(a is not b for b in old.actors)]
+        old.shutdown()
+        self.learner = spawn_learner(self.cfg, str(self.run_dir), uuid.uuid4().hex[:6])
+        self.actors += self.learner.actors
+        version_ref, packet_ref = self.learner.start(True)
+        self.version = ray.get(version_ref, timeout=max(sc.call_timeout_s, 600))
+        self.lineage += 1
+        self.chain = WeightChain()
+        self.chain.add(self.version, "full", packet_ref)
+        for wkr in self.workers:  # fire and forget, as every sync; the next dispatch carries the lineage too
+            wkr.sync.remote(self.chain.payloads(), self.lineage)
+        self.ready = collections.deque(self.store.pending(self.version))
+        self.staleness.on_resume(self.version)
+        self.staleness.accepted += len(self.ready)
+        self.staleness.running = len(self.inflight)
+        self.eval_due.clear()  # queued with chains of the lost lineage; the next eval point queues anew
+        self.store.note("learner_restart", failed_step=lost_version + 1, restored_step=self.version,
+                        requeued=len(self.ready), error=why)
+        self.restarts.append({"failed_step": lost_version + 1, "restored_step": self.version,
+                              "requeued_groups": len(self.ready), "error": why})
 
     def _on_eval(self) -> None:
         import ray
@@ -401,7 +448,7 @@ class Reconciler:
                 "retry_at_end": len(self.retry), "ready_at_end": len(self.ready),
                 "counts": dict(self.counts), "staleness": {"dropped": self.staleness.dropped,
                                                            "requeued": self.staleness.requeued},
-                "history": self.history, "eval": self.eval_history}
+                "history": self.history, "eval": self.eval_history, "learner_restarts": self.restarts}
 
     def _call_each_worker(self, method: str, *args) -> list:
         """One call per rollout worker, waiting out a worker Ray is still restarting.
@@ -427,7 +474,7 @@ class Reconciler:
         return results
 
     def final_sync(self) -> list:
-        return self._call_each_worker("sync", self.chain.payloads())
+        return self._call_each_worker("sync", self.chain.payloads(), self.lineage)
 
     def worker_info(self) -> list[dict]:
         return self._call_each_worker("info")

@@ -39,6 +39,10 @@ class GroupStore:
         """dropped / skipped / errored: terminal states that are not trained."""
         self._append(self._events, {"event": event, "groups": [group_id], **info})
 
+    def note(self, event: str, **info) -> None:
+        """A run event that concerns no group (a learner restart)."""
+        self._append(self._events, {"event": event, "groups": [], **info})
+
     def pending(self, learner_step: int) -> list[Group]:
         """Groups persisted but neither trained at a step <= learner_step nor terminally dropped."""
         done: set[str] = set()
