@@ -83,6 +83,40 @@ def test_absorbed_equals_expanded(model):
     assert _rel(absorbed, expanded) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["dense", "blockwise"])
+def test_prefill_goes_through_the_attention_registry_and_matches_the_trainer(model, monkeypatch, backend):
+    """The prefill (expanded) path calls the attention registry like the trainer: forced to each backend
+    (C2JAX_ATTENTION), prefilling a whole sequence gives the trainer's logits, and a prefill in two chunks
+    (the second chunk's queries at positions 7.., keys over the cache written so far) gives the same."""
+    import dataclasses
+
+    from c2jax.models import attention_backends as registry
+
+    graphdef, state = model
+    monkeypatch.setenv(registry.ENV_OVERRIDE, backend)
+    calls = []
+    chosen = registry.get(backend)
+    monkeypatch.setitem(registry._BACKENDS, backend, dataclasses.replace(
+        chosen, fn=lambda *a, **k: calls.append(a[0].shape) or chosen.fn(*a, **k)))
+    ids = jax.random.randint(jax.random.key(3), (2, SEQ), 0, CFG.vocab_size)
+    full = _full_logits(CFG, graphdef, state, ids)
+    calls.clear()  # the trainer's forward uses the registry too
+    zeros = jnp.zeros(2, jnp.int32)
+
+    def run(cache, tokens, start):  # not jitted: the backend is chosen when it traces
+        return extend(CFG, graphdef, state, cache, tokens, None, start, key_len=32, absorbed=False)
+
+    one = run(init_cache(CFG, 2, 32), ids, zeros)
+    assert _rel(one.logits, full) <= 1e-5
+    first = run(init_cache(CFG, 2, 32), ids[:, :7], zeros)
+    second = run(first.cache, ids[:, 7:], zeros + 7)
+    assert _rel(jnp.concatenate([first.logits, second.logits], axis=1), full) <= 1e-5
+    # every layer's prefill attention went to the chosen backend: [b, T, H, qk_head_dim] queries
+    per_run = [(2, SEQ, CFG.num_attention_heads, CFG.qk_head_dim)] * CFG.num_hidden_layers
+    assert calls == per_run + [(2, 7, *per_run[0][2:])] * CFG.num_hidden_layers + \
+        [(2, SEQ - 7, *per_run[0][2:])] * CFG.num_hidden_layers
+
+
 def test_latent_cache_is_smaller_than_expanded_kv():
     latent, expanded = cache_bytes_per_token(preset("deepseek-v3"))
     # DeepSeek-V2 sec. 2.1: (d_c + d_R) per layer vs 2 * n_h * d_h; here (512 + 64) vs 128 * (192 + 128)

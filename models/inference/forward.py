@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from c2jax.models.attention_backends import attention
 from c2jax.models.config import ModelConfig
 from c2jax.models.layers import dense
 from c2jax.models.logical import active_mesh_axes
@@ -88,12 +89,12 @@ def _attend(cfg: ModelConfig, attn, x, cos, sin, cache: LayerCache, slot_idx, po
     else:
         c, kr = cache.latent[slot_idx, :key_len], cache.k_rope[slot_idx, :key_len]
     c, kr = c.astype(x.dtype), kr.astype(x.dtype)  # [b, K, r], [b, K, dr]
-    visible = jnp.arange(key_len)[None, None, :] <= positions[:, :, None]  # causal over the cache
-    bias = jnp.where(visible, jnp.float32(0), jnp.float32(_NEG_INF))[:, None]  # [b, 1, T, K]
     scale = jnp.asarray(cfg.softmax_scale, x.dtype)
     kv_b = attn.kv_b_proj[...].astype(x.dtype)  # [r, H, dn + dv]
     w_uk, w_uv = kv_b[..., : cfg.qk_nope_head_dim], kv_b[..., cfg.qk_nope_head_dim:]
     if absorbed:
+        visible = jnp.arange(key_len)[None, None, :] <= positions[:, :, None]  # causal over the cache
+        bias = jnp.where(visible, jnp.float32(0), jnp.float32(_NEG_INF))[:, None]  # [b, 1, T, K]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope * scale, w_uk)
         scores = (jnp.einsum("bthr,bkr->bhtk", q_lat, c, preferred_element_type=jnp.float32)
                   + jnp.einsum("bthe,bke->bhtk", q_rope * scale, kr, preferred_element_type=jnp.float32))
@@ -105,10 +106,11 @@ def _attend(cfg: ModelConfig, attn, x, cos, sin, cache: LayerCache, slot_idx, po
         v = jnp.einsum("bkr,rhv->bkhv", c, w_uv)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(kr[:, :, None], (*kr.shape[:2], cfg.num_attention_heads,
                                                                          kr.shape[-1]))], axis=-1)
-        qs = jnp.concatenate([q_nope, q_rope], axis=-1) * scale
-        scores = jnp.einsum("bthd,bkhd->bhtk", qs, k, preferred_element_type=jnp.float32)
-        p = jax.nn.softmax(scores + bias, axis=-1)
-        out = jnp.einsum("bhtk,bkhv->bthv", p.astype(v.dtype), v)
+        # prefill: the attention registry (models/attention_backends.py), as the trainer: on CPU dense for
+        # short prompts and blockwise (memory O(K), no [b, H, T, K] scores) beyond; cuDNN where it applies.
+        # Key j is cache position j, visible to a query at position p iff j <= p (later entries are stale)
+        out = attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, scale=cfg.softmax_scale,
+                        q_positions=positions, kv_positions=jnp.arange(key_len), causal=True)
     return jnp.einsum("bthv,hvd->btd", out, attn.o_proj[...].astype(x.dtype)), cache
 
 
