@@ -381,3 +381,64 @@ def test_a_run_rebuilds_a_group_whose_process_died_and_loses_no_graded_group(ray
     assert lost_updates and lost_updates <= retrained, (lost_updates, retrained)
     trained_after = [e["step"] for e in events[at:] if e["event"] == "trained"]
     assert trained_after == [3, 4]
+
+
+@pytest.mark.slow
+def test_the_ray_cluster_recipe_runs_rl_with_a_two_process_learner(tmp_path):
+    """docs/parallelism.md's Ray-cluster recipe as a user types it, on loopback: `ray start --head` (no
+    c2jax code in it), then `c2jax rl ... ray.address=HOST:PORT learner.num_processes=2`; the driver joins
+    the cluster (presenting the machine's Ray token, which `ray start` requires and Ray's driver would not
+    send for an explicit address), places the learner group and trains 2 steps with engine samplers."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    import shutil
+    import tempfile
+
+    port = free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="c2jax-ray-")  # short: Ray's socket paths live under it
+    # a user's shell: no token of another test's cluster, JAX on CPU
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env |= {"JAX_PLATFORMS": "cpu", "RAY_USAGE_STATS_ENABLED": "0"}
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", f"--temp-dir={ray_tmp}", "--num-cpus=4", "--include-dashboard=false",
+         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+         "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "head.log", "w"), env=env,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-2000:]
+                time.sleep(0.3)
+        cli = subprocess.run(
+            [sys.executable, "-m", "c2jax.cli", "rl", *TINY, f"output_dir={tmp_path}", "name=recipe",
+             "backend.policy=engine", "engine.slots=8", "engine.max_len=16", "engine.chunk_steps=2",
+             "engine.key_bucket=16", "engine.min_prompt_bucket=2",
+             f"ray.address=127.0.0.1:{port}", "learner.num_processes=2", "learner.cpu_devices_per_process=4",
+             "learner.placement_strategy=PACK", "system.steps=2", "system.group_size=4", "system.groups_per_step=2",
+             "system.num_rollout_workers=1", "env.gen_len=4", "env.prompt_len=2"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        (tmp_path / "cli.log").write_text(cli.stdout + cli.stderr)
+        assert cli.returncode == 0, cli.stdout[-3000:] + cli.stderr[-3000:]
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    summary = json.loads((tmp_path / "recipe" / "summary.json").read_text())
+    assert summary["version"] == 2 and summary["counts"].get("groups_lost", 0) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "recipe" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m.get("kind") == "train"] == [1, 2]
+    assert all("sync/bytes/p1" in m for m in metrics if m.get("kind") == "train")  # two processes' packets

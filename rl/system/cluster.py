@@ -63,6 +63,34 @@ def _use_token_auth(token: str) -> None:
     _enable_token_auth()
 
 
+def _token_available() -> bool:
+    """A Ray auth token this process could present: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token
+    (where `ray start` / `ray get-auth-token --generate` keep it)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return Path(path).is_file()
+
+
+def _join(address: str, logging_level: str) -> None:
+    """ray.init at an explicit address. A `ray start --head` cluster on a machine holding a Ray token
+    requires token authentication (Ray >= 2.52), but a driver given an explicit address never turns it on
+    by itself (only `auto` does), so the recipe `ray start --head` + `ray.address=HOST:PORT` failed after
+    half a minute of "InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'". With RAY_AUTH_MODE unset
+    and a token at hand, the driver presents it: a cluster without authentication accepts such a driver too
+    (checked: RAY_AUTH_MODE=disabled head, token-mode driver, Ray 2.60). RAY_AUTH_MODE set is respected."""
+    import ray
+
+    if not os.environ.get("RAY_AUTH_MODE") and _token_available():
+        try:
+            from ray._private.authentication.authentication_token_setup import _enable_token_auth
+        except ImportError:  # a Ray without token authentication
+            pass
+        else:
+            _enable_token_auth()
+    ray.init(address=address, logging_level=logging_level)
+
+
 def init_ray(*, num_cpus: int | None = None, address: str | None = None, logging_level: str = "ERROR",
              start_timeout_s: float = 120.0) -> None:
     """Connect to Ray at `address`, or start a local cluster with `num_cpus` logical CPUs: from a
@@ -72,7 +100,7 @@ def init_ray(*, num_cpus: int | None = None, address: str | None = None, logging
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, logging_level=logging_level)
+        _join(address, logging_level)
         return
     if not jax_backend_running():
         # "local": a new cluster of this process's own, never one that `ray start` left on the machine
