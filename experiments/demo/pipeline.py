@@ -654,10 +654,11 @@ def reward_trend(groups_jsonl: Path, steps: int, *, n_boot: int = 2000, alpha: f
     ladder task id names it)."""
     import numpy as np
 
+    from c2jax.rl.system.groups import stored_verdict
+
     rows = [json.loads(line) for line in groups_jsonl.read_text().splitlines() if line.strip()]
     groups = [(int(r["min_version"]), r["prompt_id"].split("-")[1] if r["prompt_id"].startswith("ladder-") else "all",
-               float(np.mean([x["reward"] if x.get("correctness") is None else x["correctness"]
-                              for x in r["rollouts"]]))) for r in rows if r["rollouts"]]
+               float(np.mean([stored_verdict(x) for x in r["rollouts"]]))) for r in rows if r["rollouts"]]
     third = max(1, steps // 3)
 
     def compare(sel):

@@ -92,11 +92,10 @@ def _max_verdict(groups_jsonl: Path) -> float:
     """The best hidden-test verdict of any trained RL episode (the reward before any length penalty)."""
     import json
 
-    best = 0.0
-    for line in groups_jsonl.read_text().splitlines() if groups_jsonl.is_file() else []:
-        for x in json.loads(line)["rollouts"]:
-            best = max(best, x["reward"] if x.get("correctness") is None else x["correctness"])
-    return best
+    from c2jax.rl.system.groups import stored_verdict
+
+    lines = groups_jsonl.read_text().splitlines() if groups_jsonl.is_file() else []
+    return max((stored_verdict(x) for line in lines for x in json.loads(line)["rollouts"]), default=0.0)
 
 
 def _same_samples(out: Path) -> bool:

@@ -341,6 +341,10 @@ class LearnerGroup:
     def packet(self, version: int) -> list:
         return [a.packet.remote(version) for a in self.actors]
 
+    def check_alive(self, timeout: float) -> None:
+        """Raises as `train` would when a process is dead (a cheap call each process answers beside a step)."""
+        self._gather([a.pid.remote() for a in self.actors], timeout, "pid")
+
     def full_weights(self, timeout: float = 600.0) -> dict[str, np.ndarray]:
         """The whole weights, gathered across the processes."""
         return self._gather([a.full_weights.remote() for a in self.actors], timeout, "full_weights")[0]
@@ -378,8 +382,7 @@ class RolloutWorker:
             self.renderer = ChatRenderer(chat_tokenizer(cfg.env.tokenizer))
             detok = self.renderer.decode
         self.policy = make_policy(cfg, detok)
-        n = cfg.learner.num_processes
-        self.decoder = DeltaDecoder() if n == 1 else ShardedDeltaDecoder(n)  # full weights from N shard packets
+        self.decoder = self._new_decoder()
         self._lock = threading.Lock()
         # at most groups_per_worker groups at once per sampler (a call the reconciler abandoned may linger)
         self._run_slots = threading.BoundedSemaphore(cfg.system.groups_per_worker)
@@ -391,6 +394,10 @@ class RolloutWorker:
         self._force_swap = False
 
     # weights ------------------------------------------------------------------------------------------
+    def _new_decoder(self):
+        n = self.cfg.learner.num_processes
+        return DeltaDecoder() if n == 1 else ShardedDeltaDecoder(n)  # full weights from N shard packets
+
     def sync(self, chain: list, lineage: int = 0) -> int:
         """Applies every packet of `chain` (ObjectRefs to the packets since the last full one) newer than
         what this worker holds. Safe to call while a group is decoding. A chain of an older `lineage` than
@@ -414,8 +421,7 @@ class RolloutWorker:
         (the restored checkpoint's full packet) as lineage `lineage`; the sampler loads it at its next swap
         point, even though its version is lower than what it serves now."""
         packets = fetch_packets(self.ray, chain, self.cfg.system.call_timeout_s)
-        n = self.cfg.learner.num_processes
-        decoder = DeltaDecoder() if n == 1 else ShardedDeltaDecoder(n)
+        decoder = self._new_decoder()
         for p in sorted(packets, key=lambda p: p.version):
             decoder.apply(p)
         with self._lock:
@@ -521,7 +527,7 @@ class Evaluator(RolloutWorker):
             spec = {"group_id": f"eval-{seed}-{i}", "prompt_id": pid, "seed": 10_000_000 + seed * 1000 + i,
                     "group_size": k, "lineage": lineage}
             rollouts = self.run_group(spec, chain).rollouts
-            rewards.append([r.reward if r.correctness is None else r.correctness for r in rollouts])
+            rewards.append([r.verdict for r in rollouts])
             scores.append([model_score(r) for r in rollouts])
         return {**eval_scores(rewards, scores, k, self.cfg.eval.success_threshold, prompt_ids=prompt_ids),
                 "version": self.policy.version, "prompts": len(prompt_ids)}

@@ -63,15 +63,6 @@ def _use_token_auth(token: str) -> None:
     _enable_token_auth()
 
 
-def _token_available() -> bool:
-    """A Ray auth token this process could present: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token
-    (where `ray start` / `ray get-auth-token --generate` keep it)."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return True
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
-    return Path(path).is_file()
-
-
 def _join(address: str, logging_level: str) -> None:
     """ray.init at an explicit address. A `ray start --head` cluster on a machine holding a Ray token
     requires token authentication (Ray >= 2.52), but a driver given an explicit address never turns it on
@@ -81,13 +72,14 @@ def _join(address: str, logging_level: str) -> None:
     (checked: RAY_AUTH_MODE=disabled head, token-mode driver, Ray 2.60). RAY_AUTH_MODE set is respected."""
     import ray
 
-    if not os.environ.get("RAY_AUTH_MODE") and _token_available():
-        try:
-            from ray._private.authentication.authentication_token_setup import _enable_token_auth
-        except ImportError:  # a Ray without token authentication
-            pass
-        else:
-            _enable_token_auth()
+    try:  # Ray's own rule for `auto`: RAY_AUTH_MODE if set, else token mode when a token exists
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        pass
+    else:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     ray.init(address=address, logging_level=logging_level)
 
 

@@ -309,15 +309,15 @@ class EnvironmentHost:
     def grade_patch(self, task_id: str, patch: str) -> tuple[float, dict]:
         from c2jax.rl.tasks.grading import grade
 
-        key = (task_id, hashlib.sha256(patch.encode()).hexdigest())
-        if self.cfg.cache_verdicts and key in self._verdicts:
+        key = (task_id, hashlib.sha256(patch.encode()).hexdigest()) if self.cfg.cache_verdicts else None
+        if key in self._verdicts:
             self.verdict_cache_hits += 1
             reward, info = self._verdicts[key]
             return reward, {**info, "cached": True}
         result = grade(self._task(task_id), patch, self._factory())
         out = float(result.reward), {"status": result.status}
         # only the tests' own verdicts: an environment failure or a timeout is graded again next time
-        if self.cfg.cache_verdicts and result.status in ("resolved", "unresolved", "patch_failed"):
+        if key is not None and result.status in ("resolved", "unresolved", "patch_failed"):
             self._verdicts[key] = out
         return out
 

@@ -37,8 +37,18 @@ class Rollout:
     def errored(self) -> bool:
         return self.error is not None
 
+    @property
+    def verdict(self) -> float:
+        """The task's verdict: `correctness` where the reward was shaped, else the reward itself."""
+        return self.reward if self.correctness is None else self.correctness
+
     def versions(self) -> list[int]:
         return [v for s in self.sequences for v, m in zip(s["policy_versions"], s["loss_mask"]) if m]
+
+
+def stored_verdict(rollout: dict) -> float:
+    """Rollout.verdict of a rollout as stored in groups.jsonl (rows from before `correctness` lack it)."""
+    return rollout["reward"] if rollout.get("correctness") is None else rollout["correctness"]
 
 
 @dataclass

@@ -272,6 +272,13 @@ class Reconciler:
         self.ready.append(group)
 
     def _on_group_failed(self, spec: dict, why: str) -> None:
+        if self._given_learner is None and self.cfg.learner.num_processes > 1:
+            # a dead learner process also fails the groups whose chain holds its packets, possibly before any
+            # step's call fails (no batch is ready while every group fails): restart the group now
+            try:
+                self.learner.check_alive(self.cfg.system.call_timeout_s)
+            except Exception as e:  # noqa: BLE001 -- the first process found dead, named
+                self._restart_learner(e)
         self.staleness.on_return(accepted=False)
         if spec["attempt"] < self.cfg.system.max_group_retries:
             self.counts["groups_retried"] += 1
@@ -327,8 +334,8 @@ class Reconciler:
         """A learner group whose process died cannot go on (a jax.distributed process cannot rejoin alone):
         tear it down, build a new group that restores the newest checkpoint (step s), rewind every sampler to
         s's weights (a new lineage: a sampler given its chain starts over from it, and chains of the old lineage
-        are ignored), and queue every graded group not trained
-        at a step <= s again (the updates after s were lost with the group). Up to
+        are ignored), and queue every graded group not trained at a step <= s again (the updates after s were
+        lost with the group). Up to
         `learner.max_group_restarts` times; a one-process learner (Ray restarts its actor) or a learner the
         caller owns is not rebuilt here: the error propagates."""
         import ray
@@ -338,6 +345,7 @@ class Reconciler:
                 self.counts["learner_restarts"] >= lc.max_group_restarts:
             raise error
         self.counts["learner_restarts"] += 1
+        self.training = None  # a step in flight on the dead group: its groups are re-queued below
         lost_version = self.version
         why = f"{type(error).__name__}: {str(error)[:500]}"
         print(f"learner group failed at step {lost_version + 1} ({why}); restarting it from its newest checkpoint "
@@ -359,6 +367,7 @@ class Reconciler:
         self.staleness.accepted += len(self.ready)
         self.staleness.running = len(self.inflight)
         self.eval_due.clear()  # queued with chains of the lost lineage; the next eval point queues anew
+        self.failed_in_row = 0  # groups failed on the dead group's packets, not on the setting
         self.store.note("learner_restart", failed_step=lost_version + 1, restored_step=self.version,
                         requeued=len(self.ready), error=why)
         self.restarts.append({"failed_step": lost_version + 1, "restored_step": self.version,
