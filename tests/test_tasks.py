@@ -395,3 +395,91 @@ def test_rl_ladder_task_ids_name_one_task_so_train_episodes_are_graded_by_their_
         other = load_task(held[next(iter(held))] if tid in train else train[next(iter(train))])
         if task_content(other) != task_content(task):
             assert host.grade_patch(tid, other.solution_patch)[0] == 0.0
+
+
+# ------------------------------------------------------------------- multi-file feature deletion
+SHAPES = {
+    "shapes/__init__.py": "from .area import Square, circle_area\nfrom .fmt import describe, shout\n"
+                          "__all__ = ['Square', 'circle_area', 'describe', 'shout']\n",
+    "shapes/area.py": ("import math\n\n_PI = math.pi\n\n\ndef _sq(x):\n    return x * x\n\n\n"
+                       "def _unused_elsewhere(x):\n    return _sq(x) + 0\n\n\n"
+                       "class Square:\n    def __init__(self, side):\n        self.side = side\n\n"
+                       "    def area(self):\n        return _unused_elsewhere(self.side)\n\n\n"
+                       "def circle_area(r):\n    return _PI * _sq(r)\n"),
+    "shapes/fmt.py": ("def _pad(text):\n    return f' {text} '\n\n\ndef describe(shape):\n"
+                      "    return _pad(type(shape).__name__ + ' ' + str(shape.area()))\n\n\n"
+                      "def shout(text):\n    return text.upper()\n"),
+    "tests/test_shapes.py": ("from shapes import Square, describe\n\n\ndef test_area():\n"
+                             "    assert Square(3).area() == 9\n\n\ndef test_describe():\n"
+                             "    assert describe(Square(2)) == ' Square 4 '\n"),
+    "tests/test_circle.py": ("import shapes\n\n\ndef test_circle():\n"
+                             "    assert round(shapes.circle_area(1), 2) == 3.14\n\n\n"
+                             "def test_shout():\n    assert shapes.shout('a') == 'A'\n"),
+}
+SHAPE_MODULES = ["shapes/__init__.py", "shapes/area.py", "shapes/fmt.py"]
+
+
+def test_feature_closure_takes_the_private_helpers_only_the_feature_uses(tmp_path):
+    """Square's closure takes _unused_elsewhere (only Square calls it) but not _sq (circle_area calls it
+    too); with circle_area also removed, _sq and _PI go as well. Re-exports go from __init__.py."""
+    from c2jax.rl.tasks.deletion import Package, closure
+
+    pkg = Package(_write(tmp_path, SHAPES), SHAPE_MODULES)
+    square = closure(pkg, [("shapes/area.py", "Square")])
+    assert square.helpers == (("shapes/area.py", "_unused_elsewhere"),)
+    edits = dict(square.edits)
+    assert set(edits) == {"shapes/__init__.py", "shapes/area.py"} and square.files == 2
+    assert "Square" not in edits["shapes/__init__.py"] and "circle_area" in edits["shapes/__init__.py"]
+    assert "_unused_elsewhere" not in edits["shapes/area.py"] and "def _sq" in edits["shapes/area.py"]
+    both = closure(pkg, [("shapes/area.py", "Square"), ("shapes/area.py", "circle_area")])
+    assert {n for _, n in both.helpers} == {"_unused_elsewhere", "_sq", "_PI"}
+    area = dict(both.edits)["shapes/area.py"]
+    assert area.strip() == "import math"  # everything but the import went
+    removed = len(SHAPES["shapes/area.py"].splitlines()) - len(area.splitlines())
+    assert both.lines == removed + 1  # and __init__.py's `from .area import ...` line
+    for text in dict(both.edits).values():
+        compile(text, "x", "exec")
+
+
+def test_multi_file_features_group_targets_one_test_file_uses(tmp_path):
+    """test_shapes.py imports Square and describe (modules area and fmt): one cross-module feature;
+    circle_area and shout are read off the imported package in test_circle.py: another. A target no
+    test file uses is never grouped by the test-file rule."""
+    import random
+
+    from c2jax.rl.tasks.deletion import multi_file_features, test_mentions
+
+    repo = _write(tmp_path, SHAPES)
+    mentions = test_mentions(repo, {"Square", "describe", "circle_area", "shout"})
+    assert mentions == {"Square": {"tests/test_shapes.py"}, "describe": {"tests/test_shapes.py"},
+                        "circle_area": {"tests/test_circle.py"}, "shout": {"tests/test_circle.py"}}
+    feats = multi_file_features(repo, SHAPE_MODULES, random.Random(0), min_lines=8, min_files=2)
+    # Square alone is large enough (12 lines, 2 files); the others only in a group
+    assert {tuple(sorted(n for _, n in f.targets)) for f in feats} == {
+        ("Square",), ("Square", "describe"), ("circle_area", "shout")}
+    for f in feats:
+        assert f.lines >= 8 and f.files >= 2
+    assert not multi_file_features(repo, SHAPE_MODULES, random.Random(0), min_lines=500)
+
+
+def test_build_library_writes_multi_file_feature_tasks_that_validate(tmp_path):
+    """The generator on a pinned 'sdist' already in the cache: each task removes >= 8 lines over >= 2
+    files, its hidden tests are the files that used the targets, the base fails them and the reference
+    resolves; the prompts name the targets (terse: one line)."""
+    cache = tmp_path / "cache"
+    _write(cache / "repos" / "shapes-1.0", SHAPES)
+    lib = LibraryConfig("shapes", "1.0", "0" * 64, tests=("tests",), mutation_tasks=0, deletion_tasks=0,
+                        feature_tasks=2, feature_min_lines=8)
+    written = build_library(lib, tmp_path / "out", factory, cache_dir=cache, seed=0)
+    assert len(written) == 2
+    for path in written:
+        task = load_task(path)
+        assert task.category == "multi_file_feature" and task.difficulty == "hard"
+        assert task.lines_changed >= 8 and task.files_changed >= 2
+        names = [t.split(":")[1] for t in task.metadata["targets"]]
+        assert all(n in task.prompts["terse"] and n in task.prompts["issue"] for n in names)
+        assert "\n" not in task.prompts["terse"]
+        hidden = {t.split("::")[0] for t in task.fail_to_pass}
+        assert all(not (task.repo_dir / h).exists() for h in hidden)
+        v = validate_task(task, factory)
+        assert v.ok, v.reason

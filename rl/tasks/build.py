@@ -38,6 +38,12 @@ class LibraryConfig:
     multi_file_tasks: int = 0  # bug-injection tasks combining mutations across files
     mutations_per_multi: int = 2
     deletion_tasks: int = 1
+    # multi-file feature deletions (c2bench v1): public targets + the private helpers only they use +
+    # their re-exports, at least feature_min_lines removed over at least feature_min_files files
+    feature_tasks: int = 0
+    feature_min_lines: int = 40
+    feature_min_files: int = 2
+    feature_max_targets: int = 3
     max_candidates: int = 20  # candidates tried per generator before giving up
 
 
@@ -201,6 +207,35 @@ def build_library(lib: LibraryConfig, out_dir: Path, factory: SandboxFactory, *,
         prompts = deletion.prompts(module, name, f2p, spec.package_dir, (repo / module).read_text())
         size = sum(len((repo / m).read_text().splitlines()) - len(t.splitlines()) for m, t in edits.items())
         keep(task, edits, f2p, p2p, prompts, "hard" if size > 30 else "medium")
+        kept += 1
+
+    kept = 0
+    features = deletion.multi_file_features(repo, modules, rng, min_lines=lib.feature_min_lines,
+                                            min_files=lib.feature_min_files, max_targets=lib.feature_max_targets)
+    mentions = deletion.test_mentions(repo, {n for f in features for n in f.names})
+    for feature in features[: lib.max_candidates] if lib.feature_tasks else ():
+        if kept == lib.feature_tasks:
+            break
+        if any(not mentions[n] for n in feature.names):
+            continue  # no test file uses a target: nothing would check it
+        edits = dict(feature.edits)
+        broken = run_tests(repo, factory, edits=edits, tests=lib.tests, timeout_s=timeout_s)
+        if broken is None:
+            continue
+        f2p, p2p = split_outcome(baseline, broken)
+        if not f2p or not p2p:
+            continue
+        # every target must be exercised by a hidden test file (imported by name, or read off its module):
+        # a target no hidden test uses would be a part of the task nothing checks
+        hidden = {t.split("::")[0] for t in f2p}
+        if any(not (mentions[n] & hidden) for n in feature.names):
+            continue
+        task = _base_task(lib, f"{lib.name}-multi-feature-{kept:03d}", "deletion", "multi_file_feature")
+        task = dataclasses.replace(task, metadata={
+            **task.metadata, "targets": [f"{m}:{n}" for m, n in feature.targets],
+            "helpers": [f"{m}:{n}" for m, n in feature.helpers]})
+        originals = {m: (repo / m).read_text() for m in feature.modules}
+        keep(task, edits, f2p, p2p, deletion.feature_prompts(feature, f2p, spec.package_dir, originals), "hard")
         kept += 1
     return written
 
