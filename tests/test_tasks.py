@@ -454,9 +454,10 @@ def test_multi_file_features_group_targets_one_test_file_uses(tmp_path):
     assert mentions == {"Square": {"tests/test_shapes.py"}, "describe": {"tests/test_shapes.py"},
                         "circle_area": {"tests/test_circle.py"}, "shout": {"tests/test_circle.py"}}
     feats = multi_file_features(repo, SHAPE_MODULES, random.Random(0), min_lines=8, min_files=2)
-    # Square alone is large enough (12 lines, 2 files); the others only in a group
+    # Square and describe are large enough alone (with their helpers and re-exports); the others only
+    # in a group
     assert {tuple(sorted(n for _, n in f.targets)) for f in feats} == {
-        ("Square",), ("Square", "describe"), ("circle_area", "shout")}
+        ("Square",), ("describe",), ("circle_area", "shout")}
     for f in feats:
         assert f.lines >= 8 and f.files >= 2
     assert not multi_file_features(repo, SHAPE_MODULES, random.Random(0), min_lines=500)
@@ -483,3 +484,50 @@ def test_build_library_writes_multi_file_feature_tasks_that_validate(tmp_path):
         assert all(not (task.repo_dir / h).exists() for h in hidden)
         v = validate_task(task, factory)
         assert v.ok, v.reason
+
+
+def test_stub_features_empty_bodies_and_keep_signatures_and_docstrings(tmp_path):
+    """A stub keeps the def line and docstring and raises NotImplementedError; the private helper only
+    that body used goes with it; a method can be a target; callers elsewhere do not block a stub."""
+    import random
+
+    from c2jax.rl.tasks.deletion import Package, closure, multi_file_features
+
+    files = dict(SHAPES)
+    files["shapes/fmt.py"] = ('def _pad(text):\n    return f" {text} "\n\n\ndef describe(shape):\n'
+                              '    """One line about a shape."""\n    name = type(shape).__name__\n'
+                              '    return _pad(name + " " + str(shape.area()))\n\n\n'
+                              'def shout(text):\n    return describe(text).upper()\n')
+    repo = _write(tmp_path, files)
+    pkg = Package(repo, SHAPE_MODULES)
+    feature = closure(pkg, [("shapes/fmt.py", "describe"), ("shapes/area.py", "Square.area")], stub=True)
+    fmt = dict(feature.edits)["shapes/fmt.py"]
+    assert fmt.startswith('def describe(shape):\n    """One line about a shape."""\n    raise NotImplementedError\n')
+    assert "_pad" not in fmt and "def shout" in fmt  # shout still calls describe: a stub does not care
+    area = dict(feature.edits)["shapes/area.py"]
+    assert "    def area(self):\n        raise NotImplementedError\n" in area
+    assert "def _unused_elsewhere" not in area  # only Square.area used it
+    assert feature.files == 2 and feature.stub
+    assert {n for _, n in feature.helpers} == {"_pad", "_unused_elsewhere"}
+    for text in dict(feature.edits).values():
+        compile(text, "x", "exec")
+    stubs = multi_file_features(repo, SHAPE_MODULES, random.Random(0), min_lines=1, min_files=1, stub=True,
+                                min_body_lines=2)
+    assert ("shapes/fmt.py", "describe") in {t for f in stubs for t in f.targets}
+
+
+def test_build_library_writes_reimplement_tasks_that_validate(tmp_path):
+    cache = tmp_path / "cache"
+    files = dict(SHAPES)
+    files["shapes/area.py"] = SHAPES["shapes/area.py"].replace(
+        "    def area(self):\n        return _unused_elsewhere(self.side)\n",
+        "    def area(self):\n        side = self.side\n        value = _unused_elsewhere(side)\n        return value\n")
+    _write(cache / "repos" / "shapes-1.0", files)
+    lib = LibraryConfig("shapes", "1.0", "0" * 64, tests=("tests",), mutation_tasks=0, deletion_tasks=0,
+                        stub_tasks=1, stub_min_body_lines=2, feature_min_lines=3, feature_min_files=1)
+    [path] = build_library(lib, tmp_path / "out", factory, cache_dir=cache, seed=0)
+    task = load_task(path)
+    assert task.category == "reimplement" and "NotImplementedError" in task.prompts["issue"]
+    assert task.prompts["terse"].startswith("shapes: implement ")
+    v = validate_task(task, factory)
+    assert v.ok, v.reason

@@ -44,6 +44,10 @@ class LibraryConfig:
     feature_min_lines: int = 40
     feature_min_files: int = 2
     feature_max_targets: int = 3
+    # the same features with bodies emptied to `raise NotImplementedError` (signatures and docstrings
+    # kept): callers elsewhere in the package do not matter, so most libraries have many
+    stub_tasks: int = 0
+    stub_min_body_lines: int = 6
     max_candidates: int = 20  # candidates tried per generator before giving up
 
 
@@ -209,12 +213,24 @@ def build_library(lib: LibraryConfig, out_dir: Path, factory: SandboxFactory, *,
         keep(task, edits, f2p, p2p, prompts, "hard" if size > 30 else "medium")
         kept += 1
 
-    kept = 0
+    for stub, wanted in ((False, lib.feature_tasks), (True, lib.stub_tasks)):
+        if wanted:
+            _feature_tasks(lib, repo, modules, rng, factory, baseline, stub, wanted, keep, timeout_s)
+    return written
+
+
+def _feature_tasks(lib: LibraryConfig, repo: Path, modules: list[str], rng: random.Random, factory: SandboxFactory,
+                   baseline: dict[str, str], stub: bool, wanted: int, keep: Callable, timeout_s: float) -> None:
+    """Multi-file feature tasks (deleted, or with `stub` emptied to `raise NotImplementedError`)."""
     features = deletion.multi_file_features(repo, modules, rng, min_lines=lib.feature_min_lines,
-                                            min_files=lib.feature_min_files, max_targets=lib.feature_max_targets)
+                                            min_files=lib.feature_min_files, max_targets=lib.feature_max_targets,
+                                            stub=stub, min_body_lines=lib.stub_min_body_lines)
+    features.sort(key=lambda f: f.files < 2)  # multi-file candidates first, in their seeded order
     mentions = deletion.test_mentions(repo, {n for f in features for n in f.names})
-    for feature in features[: lib.max_candidates] if lib.feature_tasks else ():
-        if kept == lib.feature_tasks:
+    kind = "reimplement" if stub else "multi_file_feature"
+    kept = 0
+    for feature in features[: lib.max_candidates]:
+        if kept == wanted:
             break
         if any(not mentions[n] for n in feature.names):
             continue  # no test file uses a target: nothing would check it
@@ -225,19 +241,19 @@ def build_library(lib: LibraryConfig, out_dir: Path, factory: SandboxFactory, *,
         f2p, p2p = split_outcome(baseline, broken)
         if not f2p or not p2p:
             continue
-        # every target must be exercised by a hidden test file (imported by name, or read off its module):
-        # a target no hidden test uses would be a part of the task nothing checks
+        # every target must be exercised by a hidden test file (imported by name, or read as an
+        # attribute): a target no hidden test uses would be a part of the task nothing checks
         hidden = {t.split("::")[0] for t in f2p}
         if any(not (mentions[n] & hidden) for n in feature.names):
             continue
-        task = _base_task(lib, f"{lib.name}-multi-feature-{kept:03d}", "deletion", "multi_file_feature")
+        task = _base_task(lib, f"{lib.name}-{kind.replace('_', '-')}-{kept:03d}", "deletion", kind)
         task = dataclasses.replace(task, metadata={
             **task.metadata, "targets": [f"{m}:{n}" for m, n in feature.targets],
             "helpers": [f"{m}:{n}" for m, n in feature.helpers]})
         originals = {m: (repo / m).read_text() for m in feature.modules}
-        keep(task, edits, f2p, p2p, deletion.feature_prompts(feature, f2p, spec.package_dir, originals), "hard")
+        keep(task, edits, f2p, p2p, deletion.feature_prompts(feature, f2p, lib.package or lib.name.replace("-", "_"),
+                                                             originals), "hard")
         kept += 1
-    return written
 
 
 def build_release(rel: ReleaseConfig, out_dir: Path, factory: SandboxFactory, *, cache_dir: Path,

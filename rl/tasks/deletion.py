@@ -58,29 +58,67 @@ def _is_private(name: str) -> bool:
 
 @dataclass(frozen=True)
 class _Unit:
-    """One top-level statement of a package module: a def (named) or anything else (name None)."""
+    """One statement of a package module that a feature can remove or that can use a removed name: a
+    top-level def, a private constant, a method of a top-level class (`owner` = the class), or any other
+    top-level statement (name None). A class's own unit holds its header and non-method body; its
+    methods are units of their own, so removing one method leaves the class's other uses standing."""
 
     module: str
     name: str | None
     first: int  # first line, decorators included (1-based)
     last: int
     refs: frozenset[str]
+    owner: str | None = None  # the enclosing top-level class of a method
+    body_first: int | None = None  # a function's first statement after its docstring (None: not a function)
+    body_indent: str = ""
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.owner}.{self.name}" if self.owner else str(self.name)
+
+
+def _first_line(node: ast.AST) -> int:
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+
+
+def _body(node: ast.AST, lines: list[str]) -> dict:
+    """A multi-line function's body after its docstring (what a stub replaces): first line, indentation."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {}
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    if not body or _first_line(body[0]) <= node.body[0].end_lineno and body is not node.body:
+        return {}  # nothing after the docstring, or a statement on the docstring's line
+    first_line = _first_line(body[0])
+    if first_line <= node.lineno:
+        return {}  # a one-line def: `def f(): return 1`
+    text = lines[first_line - 1]
+    return {"body_first": first_line, "body_indent": text[: len(text) - len(text.lstrip())]}
 
 
 def _units(module: str, source: str) -> list[_Unit]:
     out = []
+    lines = source.splitlines()
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             continue  # importing a name is not using it; re-exports are dropped with the name
+        if isinstance(node, ast.ClassDef):
+            methods = [b for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            header = [*node.decorator_list, *node.bases, *node.keywords,
+                      *(b for b in node.body if b not in methods)]
+            out.append(_Unit(module, node.name, _first_line(node), node.end_lineno,
+                             frozenset().union(*(_refs(h) for h in header))))
+            out += [_Unit(module, m.name, _first_line(m), m.end_lineno, frozenset(_refs(m)), node.name,
+                          **_body(m, lines)) for m in methods]
+            continue
         name = node.name if isinstance(node, _DEF_TYPES) else _private_assign_name(node)
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        out.append(_Unit(module, name, first, node.end_lineno, frozenset(_refs(node))))
+        out.append(_Unit(module, name, _first_line(node), node.end_lineno, frozenset(_refs(node)),
+                         **_body(node, lines)))
     return out
 
 
 @dataclass
 class Package:
-    """The package's modules parsed once: top-level units and their references."""
+    """The package's modules parsed once: units and the names each refers to."""
 
     repo: Path
     modules: list[str]
@@ -90,23 +128,61 @@ class Package:
     def __post_init__(self):
         self.sources = {m: (self.repo / m).read_text() for m in self.modules}
         self.units = [u for m, s in self.sources.items() for u in _units(m, s)]
+        self.by_key = {(u.module, u.qualname): u for u in self.units if u.name}
 
-    def public_defs(self) -> list[_Unit]:
-        return [u for u in self.units if u.name and not u.name.startswith("_")]  # named units: defs, private constants
+    def members(self, unit: _Unit) -> list[_Unit]:
+        """A class and its methods; any other unit alone."""
+        if unit.owner is None and any(u.owner == unit.name and u.module == unit.module for u in self.units):
+            return [u for u in self.units if u.module == unit.module and (u is unit or u.owner == unit.name)]
+        return [unit]
 
     def referrers(self, name: str, removed: set[_Unit]) -> list[_Unit]:
         return [u for u in self.units if u not in removed and name in u.refs and u.name != name]
 
+    def public_targets(self, methods: bool = True) -> list[_Unit]:
+        """Public top-level defs, and (with `methods`) public methods defined once in a public class
+        that keeps other statements, that nothing else in the package refers to by name."""
+        out = []
+        for u in self.units:
+            if not u.name or u.name.startswith("_"):
+                continue
+            if u.owner is not None:
+                siblings = [v for v in self.units if v.module == u.module and v.owner == u.owner]
+                if (not methods or u.owner.startswith("_") or len(siblings) < 2
+                        or sum(v.name == u.name for v in siblings) > 1):
+                    continue
+            if not self.referrers(u.name, set(self.members(u))):
+                out.append(u)
+        return out
+
+
+    def stub_targets(self, min_body_lines: int = 6) -> list[_Unit]:
+        """Public functions and public methods of public top-level classes, defined once in their scope,
+        whose body after the docstring spans at least `min_body_lines` lines: what a stub task empties
+        (callers elsewhere in the package do not matter: the name stays)."""
+        out = []
+        for u in self.units:
+            if not u.name or u.name.startswith("_") or u.body_first is None or (u.owner or "").startswith("_"):
+                continue
+            if u.last - u.body_first + 1 < min_body_lines:
+                continue
+            if sum(v.name == u.name and v.owner == u.owner and v.module == u.module for v in self.units) > 1:
+                continue  # overloads, property setters: one name, several defs
+            out.append(u)
+        return out
+
 
 @dataclass(frozen=True)
 class Feature:
-    """What one task removes: public `targets` and private `helpers`, as (module, name)."""
+    """What one task removes: public `targets` and private `helpers`, as (module, qualified name:
+    `name` or `Class.method`)."""
 
     targets: tuple[tuple[str, str], ...]
     helpers: tuple[tuple[str, str], ...]
     edits: tuple[tuple[str, str], ...]  # (module path, new source), sorted by path
     lines: int  # source lines removed, summed over modules
     files: int  # modules edited (re-exports included)
+    stub: bool = False  # the targets keep their signature and docstring; their bodies raise NotImplementedError
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -114,20 +190,25 @@ class Feature:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for _, n in self.targets)
+        """The targets' bare names (a method's without its class): what tests refer to."""
+        return tuple(n.rsplit(".", 1)[-1] for _, n in self.targets)
 
 
-def deletable(repo: Path, modules: list[str]) -> list[tuple[str, str]]:
-    """(module path, name) of public top-level defs that no other package code uses."""
-    pkg = Package(repo, modules)
-    return [(u.module, u.name) for u in pkg.public_defs() if not pkg.referrers(u.name, {u})]
+def deletable(repo: Path, modules: list[str], *, methods: bool = False) -> list[tuple[str, str]]:
+    """(module path, qualified name) of public top-level defs (and, with `methods`, public methods) that
+    no other package code uses."""
+    return [(u.module, u.qualname) for u in Package(repo, modules).public_targets(methods)]
 
 
-def closure(pkg: Package, targets: list[tuple[str, str]]) -> Feature:
-    """The feature of `targets` (each deletable on its own): the targets, plus the private helpers that
-    only removed code refers to, found to a fixed point; and the edited sources."""
-    by_key = {(u.module, u.name): u for u in pkg.units if u.name}
-    removed = {by_key[t] for t in targets}
+def closure(pkg: Package, targets: list[tuple[str, str]], *, stub: bool = False) -> Feature | None:
+    """The feature of `targets`: the targets removed (each deletable on its own) or, with `stub`, their
+    bodies replaced by `raise NotImplementedError` (signature, decorators and docstring kept); plus the
+    private helpers that only removed code refers to, found to a fixed point; and the edited sources.
+    None when the edit would leave a class with an empty body."""
+    removed: set[_Unit] = set()
+    for t in targets:
+        removed.update([pkg.by_key[t]] if stub else pkg.members(pkg.by_key[t]))
+    stubbed = set(removed) if stub else set()
     helpers: list[_Unit] = []
     changed = True
     while changed:
@@ -135,30 +216,37 @@ def closure(pkg: Package, targets: list[tuple[str, str]]) -> Feature:
         wanted = set().union(*(u.refs for u in removed))
         for u in pkg.units:
             if (u.name and _is_private(u.name) and u.name in wanted and u not in removed
-                    and not pkg.referrers(u.name, removed | {u})):
-                removed.add(u)
+                    and not pkg.referrers(u.name, removed | set(pkg.members(u)))):
+                removed.update(pkg.members(u))
                 helpers.append(u)
                 changed = True
-    names = {u.name for u in removed}
+    gone_classes = {(u.module, u.name) for u in removed if u.owner is None and u not in stubbed}
+    names = {u.name for u in removed if u.owner is None and u not in stubbed}  # re-exports: top-level names
     edits = []
     lines = 0
     for mod, src in pkg.sources.items():
-        spans = [(u.first, u.last) for u in removed if u.module == mod]
-        new = _splice(src, [(a, b, "") for a, b in spans])
+        spans = [(u.body_first, u.last, f"{u.body_indent}raise NotImplementedError\n") if u in stubbed
+                 else (u.first, u.last, "")
+                 for u in removed if u.module == mod and (mod, u.owner) not in gone_classes]
+        new = _splice(src, spans)
         for name in sorted(names):
             new = _drop_reexports(new, name)
         new = _tidy(new) if new != src else new
         if new != src:
-            ast.parse(new)
+            try:
+                ast.parse(new)
+            except SyntaxError:
+                return None  # a class left with no body
             edits.append((mod, new))
             lines += len(src.splitlines()) - len(new.splitlines())
-    return Feature(tuple(targets), tuple(sorted((u.module, u.name) for u in helpers)), tuple(edits), lines,
-                   len(edits))
+    return Feature(tuple(targets), tuple(sorted((u.module, u.qualname) for u in helpers)), tuple(edits), lines,
+                   len(edits), stub)
 
 
 def test_mentions(repo: Path, names: set[str]) -> dict[str, set[str]]:
-    """name -> the test files (repository paths) that import it by name or read it off an imported
-    module (`from pkg.m import name`, `m.name`): what a test file exercises, not words it happens to use."""
+    """name -> the test files (repository paths) that import it by name or read it as an attribute
+    (`from pkg.m import name`, `m.name`, `obj.name()` for a method): what a test file exercises, not
+    words it happens to use (a local variable called `one` does not count)."""
     from c2jax.rl.tasks.patches import is_test_path
 
     out: dict[str, set[str]] = {n: set() for n in names}
@@ -170,50 +258,56 @@ def test_mentions(repo: Path, names: set[str]) -> dict[str, set[str]]:
             tree = ast.parse(path.read_text(errors="replace"))
         except SyntaxError:
             continue
-        imported, modules = set(), set()
+        used = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                for a in node.names:
-                    imported.add(a.name)
-                    modules.add(a.asname or a.name)
-            elif isinstance(node, ast.Import):
-                modules.update((a.asname or a.name).split(".")[0] for a in node.names)
-        read = {n.attr for n in ast.walk(tree)
-                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in modules}
-        for n in names & (imported | read):
+                used.update(a.name for a in node.names)
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+        for n in names & used:
             out[n].add(rel)
     return out
 
 
 def multi_file_features(repo: Path, modules: list[str], rng: random.Random, *, min_lines: int = 40,
-                        min_files: int = 2, max_targets: int = 3) -> list[Feature]:
+                        min_files: int = 2, max_targets: int = 3, methods: bool = True, stub: bool = False,
+                        min_body_lines: int = 6) -> list[Feature]:
     """Candidate features of at least `min_lines` removed lines over at least `min_files` files, in a
     seeded random order: single targets whose closure already is that large (a class with its helpers
-    and its re-export), then groups of up to `max_targets` targets from different modules that one test
-    file exercises together (a coherent feature that spans modules)."""
+    and its re-export), then groups of up to `max_targets` targets (top-level defs, and public methods
+    with `methods`) from different modules that one test file exercises together: a coherent feature
+    that spans modules. With `stub`, the targets are function and method bodies (`stub_targets`)."""
     pkg = Package(repo, modules)
-    singles = {t: closure(pkg, [t]) for t in deletable(repo, modules)}
+    units = pkg.stub_targets(min_body_lines) if stub else pkg.public_targets(methods)
+    singles = {(u.module, u.qualname): closure(pkg, [(u.module, u.qualname)], stub=stub) for u in units}
+    singles = {k: f for k, f in singles.items() if f is not None}
     keys = list(singles)
     rng.shuffle(keys)
-    out = [singles[k] for k in keys if singles[k].lines >= min_lines and singles[k].files >= min_files]
+
+    def big(f: Feature | None) -> bool:
+        return f is not None and f.lines >= min_lines and f.files >= min_files
+
+    out = [singles[k] for k in keys if big(singles[k])]
     seen = {f.targets for f in out}
-    mentions = test_mentions(repo, {n for _, n in keys})
+    bare = {k: k[1].rsplit(".", 1)[-1] for k in keys}
+    mentions = test_mentions(repo, set(bare.values()))
     for seed in keys:
-        if not mentions[seed[1]]:
+        if not mentions[bare[seed]]:
             continue
         group = [seed]
-        partners = [k for k in keys if k[0] != seed[0] and mentions[k[1]] & mentions[seed[1]]]
+        partners = [k for k in keys if k[0] != seed[0] and mentions[bare[k]] & mentions[bare[seed]]]
         rng.shuffle(partners)
         feature = singles[seed]
         for p in partners:
-            if len(group) == max_targets or (feature.lines >= min_lines and feature.files >= min_files):
+            if len(group) == max_targets or big(feature):
                 break
             if p[0] in {m for m, _ in group}:
                 continue
-            group.append(p)
-            feature = closure(pkg, sorted(group))
+            trial = closure(pkg, sorted(group + [p]), stub=stub)
+            if trial is not None:
+                group, feature = group + [p], trial
         key = tuple(sorted(group))
-        if len(group) > 1 and feature.lines >= min_lines and feature.files >= min_files and key not in seen:
+        if len(group) > 1 and big(feature) and key not in seen:
             seen.add(key)
             out.append(feature)
     return out
@@ -222,7 +316,7 @@ def multi_file_features(repo: Path, modules: list[str], rng: random.Random, *, m
 def _tidy(source: str) -> str:
     """At most two blank lines in a row, and one newline at the end: what removing defs leaves, tidied
     (PEP 8 spacing), so the gap does not show where the feature was."""
-    text = re.sub(r"\n(?:[ \t]*\n){3,}", "\n\n\n", source)
+    text = re.sub(r"\n(?:[ \t]*\n){3,}", "\n\n\n", source).lstrip("\n")
     return text.rstrip("\n") + "\n" if text.strip() else ""
 
 
@@ -279,8 +373,14 @@ def _signature(node: ast.AST) -> str:
     return f"{node.name}({ast.unparse(node.args)})"
 
 
-def _find(source: str, name: str) -> ast.AST | None:
-    return next((n for n in ast.parse(source).body if isinstance(n, _DEF_TYPES) and n.name == name), None)
+def _find(source: str, qualname: str) -> ast.AST | None:
+    """The top-level def `name`, or the method `Class.method` of a top-level class."""
+    body = ast.parse(source).body
+    *owner, name = qualname.split(".")
+    if owner:
+        cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == owner[0]), None)
+        body = cls.body if cls else []
+    return next((n for n in body if isinstance(n, _DEF_TYPES) and n.name == name), None)
 
 
 def prompts(module: str, name: str, f2p: list[str], package: str, original: str) -> dict[str, str]:
@@ -308,23 +408,35 @@ def _and(items: list[str]) -> str:
 def feature_prompts(feature: Feature, f2p: list[str], package: str, originals: dict[str, str]) -> dict[str, str]:
     """Terse (one line, as a user would type it), issue (where each name belongs and which tests use
     them: CursorBench-length), full (signatures and docstrings, the helpers' names, every module)."""
-    names = [f"`{n}`" for n in feature.names]
+    qualnames = [n for _, n in feature.targets]
+    one = len(qualnames) == 1
     where = _and([f"`{n}` ({m})" for m, n in feature.targets])
     test_files = sorted({t.split("::")[0] for t in f2p})
+    shown_files = _and([f"`{t}`" for t in test_files[:3]]) + (" and others" if len(test_files) > 3 else "")
     specs = []
     for m, n in feature.targets:
         node = _find(originals[m], n)
         doc = (ast.get_docstring(node) or "(no docstring)") if node else ""
-        specs.append(f"- `{_signature(node) if node else n}` in {m}:\n{_indent(doc)}")
-    helpers = f" It also used private helpers that were removed: {_and([n for _, n in feature.helpers])}." \
+        sig = _signature(node) if node else n
+        specs.append(f"- `{n.rsplit('.', 1)[0] + '.' if '.' in n else ''}{sig}` in {m}:\n{_indent(doc)}")
+    helpers = f"It also used private helpers that were removed: {_and([n for _, n in feature.helpers])}.\n" \
         if feature.helpers else ""
+    if feature.stub:
+        return {
+            "terse": f"{package}: implement {_and([f'`{n}`' for n in qualnames])}",
+            "issue": f"In {package}, {where} only raise{'s' if one else ''} NotImplementedError. Implement "
+                     f"{'it' if one else 'them'} as the docstrings and callers expect; {shown_files} "
+                     f"exercise{'s' if len(test_files) == 1 else ''} {'it' if one else 'them'}.",
+            "full": f"Implement the bodies of these {package} functions (signatures and docstrings are in "
+                    f"place):\n" + "\n".join(specs) + f"\n{helpers}The tests {_shown(f2p)} must pass.",
+        }
     return {
-        "terse": f"{package}: bring back {_and(names)}",
-        "issue": f"{package} lost {where}. Re-implement {'it' if len(names) == 1 else 'them'} and export "
-                 f"them as before; {_and([f'`{t}`' for t in test_files[:3]])} exercise"
-                 f"{'s' if len(test_files[:3]) == 1 else ''} {'it' if len(names) == 1 else 'them'}.",
-        "full": f"Implement in {package}, exporting each name the way the package exports its other public "
-                f"names:\n" + "\n".join(specs) + f"\n{helpers}\nThe tests {_shown(f2p)} must pass.",
+        "terse": f"{package}: bring back {_and([f'`{n}`' for n in qualnames])}",
+        "issue": f"{package} lost {where}. Re-implement {'it' if one else 'them'} with the same public API "
+                 f"(exports included); {shown_files} exercise{'s' if len(test_files) == 1 else ''} "
+                 f"{'it' if one else 'them'}.",
+        "full": f"Implement in {package}, with the same names, signatures and exports as the package's other "
+                f"public API:\n" + "\n".join(specs) + f"\n{helpers}The tests {_shown(f2p)} must pass.",
     }
 
 
