@@ -228,12 +228,16 @@ def _feature_tasks(lib: LibraryConfig, repo: Path, modules: list[str], rng: rand
     features.sort(key=lambda f: f.files < 2)  # multi-file candidates first, in their seeded order
     mentions = deletion.test_mentions(repo, {n for f in features for n in f.names})
     kind = "reimplement" if stub else "multi_file_feature"
-    kept = 0
-    for feature in features[: lib.max_candidates]:
-        if kept == wanted:
+    kept, used = 0, set()
+    tried = 0
+    for feature in features:
+        if kept == wanted or tried == lib.max_candidates:
             break
         if any(not mentions[n] for n in feature.names):
             continue  # no test file uses a target: nothing would check it
+        if used & set(feature.targets):
+            continue  # each target in one task at most: tasks of a library stay distinct
+        tried += 1
         edits = dict(feature.edits)
         broken = run_tests(repo, factory, edits=edits, tests=lib.tests, timeout_s=timeout_s)
         if broken is None:
@@ -253,6 +257,7 @@ def _feature_tasks(lib: LibraryConfig, repo: Path, modules: list[str], rng: rand
         originals = {m: (repo / m).read_text() for m in feature.modules}
         keep(task, edits, f2p, p2p, deletion.feature_prompts(feature, f2p, lib.package or lib.name.replace("-", "_"),
                                                              originals), "hard")
+        used |= set(feature.targets)
         kept += 1
 
 
