@@ -531,3 +531,24 @@ def test_build_library_writes_reimplement_tasks_that_validate(tmp_path):
     assert task.prompts["terse"].startswith("shapes: implement ")
     v = validate_task(task, factory)
     assert v.ok, v.reason
+
+
+def test_removal_edits_only_the_removed_items_and_their_blank_lines(tmp_path):
+    """A multi-line __all__ and import lose only the removed name's line; a one-line list loses the item
+    and its comma; the removed def takes its surplus blank lines (two stay between top-level defs, one
+    between methods), so the reference patch is the feature and nothing else."""
+    from c2jax.rl.tasks.deletion import Package, closure
+
+    init = ("from .core import (\n    keep,\n    gone,\n)\nfrom .core import gone as _g, keep as k2\n"
+            "__all__ = [\n    'keep',\n    'gone',  # the one to go\n]\nSHORT = ['gone', 'keep']\n")
+    core = ("import os\n\n\n\ndef keep():\n    return 1\n\n\ndef gone():\n    return 2\n\n\nclass C:\n"
+            "    def a(self):\n        return 1\n\n    def gone_too(self):\n        return 2\n\n"
+            "    def b(self):\n        return 3\n")
+    repo = _write(tmp_path, {"pkg/__init__.py": init, "pkg/core.py": core})
+    pkg = Package(repo, ["pkg/__init__.py", "pkg/core.py"])
+    feature = closure(pkg, [("pkg/core.py", "gone"), ("pkg/core.py", "C.gone_too")])
+    edits = dict(feature.edits)
+    assert edits["pkg/__init__.py"] == ("from .core import (\n    keep,\n)\nfrom .core import keep as k2\n"
+                                        "__all__ = [\n    'keep',\n]\nSHORT = ['gone', 'keep']\n")
+    assert edits["pkg/core.py"] == ("import os\n\n\n\ndef keep():\n    return 1\n\n\nclass C:\n"
+                                    "    def a(self):\n        return 1\n\n    def b(self):\n        return 3\n")

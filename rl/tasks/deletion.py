@@ -228,10 +228,9 @@ def closure(pkg: Package, targets: list[tuple[str, str]], *, stub: bool = False)
         spans = [(u.body_first, u.last, f"{u.body_indent}raise NotImplementedError\n") if u in stubbed
                  else (u.first, u.last, "")
                  for u in removed if u.module == mod and (mod, u.owner) not in gone_classes]
-        new = _splice(src, spans)
+        new = _splice(src, spans, tidy=True)
         for name in sorted(names):
             new = _drop_reexports(new, name)
-        new = _tidy(new) if new != src else new
         if new != src:
             try:
                 ast.parse(new)
@@ -313,18 +312,30 @@ def multi_file_features(repo: Path, modules: list[str], rng: random.Random, *, m
     return out
 
 
-def _tidy(source: str) -> str:
-    """At most two blank lines in a row, and one newline at the end: what removing defs leaves, tidied
-    (PEP 8 spacing), so the gap does not show where the feature was."""
-    text = re.sub(r"\n(?:[ \t]*\n){3,}", "\n\n\n", source).lstrip("\n")
-    return text.rstrip("\n") + "\n" if text.strip() else ""
-
-
-def _splice(source: str, spans: list[tuple[int, int, str]]) -> str:
-    """Replaces whole-line spans (1-based first line, last line inclusive, new text), from the end."""
+def _splice(source: str, spans: list[tuple[int, int, str]], *, tidy: bool = False) -> str:
+    """Replaces whole-line spans (1-based first line, last line inclusive, new text), from the end.
+    With `tidy`, a removed span takes surplus blank lines with it (at most two in a row at top level,
+    one in an indented block, none at the start or end of the file), so the gap does not show where
+    the code was and nothing else in the file changes."""
     lines = source.splitlines(keepends=True)
     for first, last, text in sorted(spans, reverse=True):
+        indented = lines[first - 1][:1] in (" ", "\t")
         lines[first - 1: last] = [text] if text else []
+        if not tidy or text:
+            continue
+        i = first - 1
+        before = 0
+        while i - before - 1 >= 0 and not lines[i - before - 1].strip():
+            before += 1
+        after = 0
+        while i + after < len(lines) and not lines[i + after].strip():
+            after += 1
+        at_edge = i - before == 0 or i + after == len(lines)
+        excess = before + after - (0 if at_edge else 1 if indented else 2)
+        cut_after = min(max(excess, 0), after)
+        del lines[i: i + cut_after]
+        cut_before = max(excess - cut_after, 0)
+        del lines[i - cut_before: i]
     return "".join(lines)
 
 
@@ -336,21 +347,50 @@ def _remove_def(source: str, name: str) -> str:
     return source
 
 
+def _drop_items(source: str, items: list[ast.AST]) -> str | None:
+    """Removes list / import items (nodes with positions) from the source, touching only their text:
+    an item alone on its line takes the line; otherwise the item and its comma. None when an item
+    spans lines (the caller rewrites the statement)."""
+    lines = source.splitlines(keepends=True)
+    for item in sorted(items, key=lambda n: (n.lineno, n.col_offset), reverse=True):
+        if item.lineno != item.end_lineno:
+            return None
+        line = lines[item.lineno - 1]
+        head, rest = line[: item.col_offset], line[item.end_col_offset:]
+        if not head.strip() and re.fullmatch(r"\s*,?\s*(#.*)?\n?", rest):
+            lines[item.lineno - 1] = ""
+        elif m := re.match(r"\s*,[ \t]*", rest):
+            lines[item.lineno - 1] = head + rest[m.end():]
+        else:
+            m = re.search(r",\s*$", head)
+            lines[item.lineno - 1] = (head[: m.start()] if m else head) + rest
+    return "".join(lines)
+
+
 def _drop_reexports(source: str, name: str) -> str:
-    spans = []
+    """`name` out of `from .m import ...` statements and `__all__` lists, editing only those items."""
     for node in ast.parse(source).body:
         if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
             kept = [a for a in node.names if a.name != name]
-            text = "" if not kept else ast.unparse(ast.ImportFrom(node.module, kept, node.level)) + "\n"
-            spans.append((node.lineno, node.end_lineno, text))
-        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-              and isinstance(node.value, (ast.List, ast.Tuple))):
-            elts = [e for e in node.value.elts if not (isinstance(e, ast.Constant) and e.value == name)]
-            if len(elts) != len(node.value.elts):
-                value = type(node.value)(elts=elts, ctx=ast.Load())
+            if not kept:
+                return _drop_reexports(_splice(source, [(node.lineno, node.end_lineno, "")]), name)
+            text = _drop_items(source, [a for a in node.names if a.name == name])
+            if text is None:
+                text = _splice(source, [(node.lineno, node.end_lineno,
+                                         ast.unparse(ast.ImportFrom(node.module, kept, node.level)) + "\n")])
+            return _drop_reexports(text, name)
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                and isinstance(node.value, (ast.List, ast.Tuple))):
+            gone = [e for e in node.value.elts if isinstance(e, ast.Constant) and e.value == name]
+            if not gone:
+                continue
+            text = _drop_items(source, gone) if len(gone) < len(node.value.elts) else None
+            if text is None:
+                value = type(node.value)(elts=[e for e in node.value.elts if e not in gone], ctx=ast.Load())
                 assign = ast.Assign(targets=node.targets, value=value, lineno=node.lineno)
-                spans.append((node.lineno, node.end_lineno, ast.unparse(assign) + "\n"))
-    return _splice(source, spans)
+                text = _splice(source, [(node.lineno, node.end_lineno, ast.unparse(assign) + "\n")])
+            return _drop_reexports(text, name)
+    return source
 
 
 def delete_feature(repo: Path, modules: list[str], module: str, name: str) -> dict[str, str]:
