@@ -17,7 +17,7 @@ from c2jax.rl.tasks.results import PASSED, ReportError, parse_junit
 from c2jax.rl.tasks.task import Task, write_task
 
 
-def run_tests(repo: Path, sandbox_factory: SandboxFactory, *, edits: dict[str, str | None] | None = None,
+def run_tests(repo: Path, sandbox_factory: SandboxFactory, *, edits: dict[str, str | bytes | None] | None = None,
               tests: tuple[str, ...] = (), python: str = sys.executable, timeout_s: float = 300.0
               ) -> dict[str, str] | None:
     """Per-test statuses of `repo` with `edits` (path -> new text, None deletes) applied; None if the
@@ -26,6 +26,8 @@ def run_tests(repo: Path, sandbox_factory: SandboxFactory, *, edits: dict[str, s
         for rel, text in (edits or {}).items():
             if text is None:
                 sb.remove(rel)
+            elif isinstance(text, bytes):
+                sb.write_bytes(rel, text)
             else:
                 sb.write_text(rel, text)
         junit = f".c2jax-gen-{secrets.token_hex(6)}.xml"

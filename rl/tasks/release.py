@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 
 from c2jax.rl.tasks.gencommon import package_modules, run_tests
@@ -37,6 +38,18 @@ def changelog_added(old: Path, new: Path) -> list[str]:
     return added
 
 
+def _is_heading(line: str, version: str) -> bool:
+    """A changelog line that names the release rather than a change: a markdown / rst heading, a line
+    with the version number, or "Version X released DATE"."""
+    text = line.strip().lstrip("#").strip()
+    return (line.lstrip().startswith("#") or (version and version in line)
+            or bool(re.match(r"(version|release)\b", text, re.I)) or bool(re.fullmatch(r"[\d\s.\-/()]+", text)))
+
+
+def _bullet(line: str) -> str:
+    return re.sub(r"^\s*[-*+]\s+", "", line)
+
+
 def _tests_of(repo: Path) -> dict[str, bytes]:
     return {p.relative_to(repo).as_posix(): p.read_bytes() for p in sorted(repo.rglob("*"))
             if p.is_file() and is_test_path(p.relative_to(repo).as_posix()) and "__pycache__" not in p.parts}
@@ -48,8 +61,10 @@ def build_release_task(task: Task, old: Path, new: Path, package: str, factory: 
     test of `new` fails on `old`'s source."""
     new_tests = _tests_of(new)
     on_new = run_tests(new, factory, tests=tests, timeout_s=timeout_s)
-    on_old = run_tests(old, factory, edits={k: v.decode() for k, v in new_tests.items()}, tests=tests,
-                       timeout_s=timeout_s)
+    old_tests = _tests_of(old)
+    # only what changed is written over N (bytes: test data need not be UTF-8)
+    changed = {k: v for k, v in new_tests.items() if old_tests.get(k) != v}
+    on_old = run_tests(old, factory, edits=changed, tests=tests, timeout_s=timeout_s)
     if on_new is None or on_old is None:
         return None
     passing = sorted(t for t, s in on_new.items() if s == PASSED)
@@ -62,10 +77,12 @@ def build_release_task(task: Task, old: Path, new: Path, package: str, factory: 
     after = {m: (new / m).read_text() for m in mods if (new / m).is_file()}
     patch = make_patch(before, after)
     lines, files = patch_size(patch)
-    notes = changelog_added(old, new)
+    version = str(task.metadata.get("new_version", ""))
+    notes = [n for n in changelog_added(old, new) if not _is_heading(n, version)]
     shown = ", ".join(f"`{t}`" for t in f2p[:3]) + (f" and {len(f2p) - 3} more" if len(f2p) > 3 else "")
-    prompts = {"terse": notes[0] if notes else f"update {package} to its next release",
-               "issue": "Implement these changes:\n\n" + "\n".join(notes[:20]) if notes else
+    prompts = {"terse": _bullet(notes[0]) if notes else f"update {package} to its next release",
+               "issue": f"Implement these changes from {package}'s {version or 'next'} changelog:\n\n"
+                        + "\n".join(notes[:20]) if notes else
                f"Bring {package} to its next release's behaviour.",
                "full": ("Changelog of the next release:\n\n" + "\n".join(notes) + "\n\n" if notes else "")
                + f"The tests {shown} must pass without breaking the others."}

@@ -51,9 +51,10 @@ def fetch(spec: SdistSpec, cache_dir: str | Path) -> Path:
 
 
 def _matches(path: Path, spec: SdistSpec) -> bool:
-    stem = path.name.lower().replace("_", "-")
-    return stem.startswith(f"{spec.name.lower().replace('_', '-')}-{spec.version}.") and path.suffix in (
-        ".gz", ".zip", ".bz2")
+    # exactly NAME-VERSION.<archive>: a prefix test would take markdown-3.11.1 for 3.11, pytz-2026.3.post1 for 2026.3
+    name = path.name.lower().replace("_", "-")
+    stem = f"{spec.name.lower().replace('_', '-')}-{spec.version.lower()}"
+    return name in {stem + ext for ext in (".tar.gz", ".zip", ".tar.bz2", ".tgz")}
 
 
 def unpack(archive: Path, dest: str | Path) -> Path:
