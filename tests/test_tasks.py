@@ -522,7 +522,8 @@ def test_build_library_writes_reimplement_tasks_that_validate(tmp_path):
     files = dict(SHAPES)
     files["shapes/area.py"] = SHAPES["shapes/area.py"].replace(
         "    def area(self):\n        return _unused_elsewhere(self.side)\n",
-        "    def area(self):\n        side = self.side\n        value = _unused_elsewhere(side)\n        return value\n")
+        "    def area(self):\n        side = self.side\n        value = _unused_elsewhere(side)\n"
+        "        return value\n")
     _write(cache / "repos" / "shapes-1.0", files)
     lib = LibraryConfig("shapes", "1.0", "0" * 64, tests=("tests",), mutation_tasks=0, deletion_tasks=0,
                         stub_tasks=1, stub_min_body_lines=2, feature_min_lines=3, feature_min_files=1)

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--repos", default=None, help="SWE-bench: dir with one repository per instance_id")
     parser.add_argument("--model", default=None, help="openai: served model name")
     parser.add_argument("--concurrency", type=int, default=None)
-    parser.add_argument("--sandbox", choices=("bwrap", "local"), default=None)
+    parser.add_argument("--sandbox", choices=("bwrap", "local", "docker", "podman", "auto"), default=None)
     parser.add_argument("--label", default=None, help="name of this run in reports")
     parser.add_argument("--step", type=int, default=None, help="training step (x axis of training.png)")
     parser.add_argument("--retry-errors", action="store_true", help="rerun samples that ended in an infra error")

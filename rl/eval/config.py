@@ -58,7 +58,9 @@ class EvalConfig:
     samples: int = 1  # K: episodes per task
     ks: tuple[int, ...] = (1, 2, 4, 8)  # pass@k / pass^k / best-of-k reported for each k <= samples
     concurrency: int = 2  # tasks run at once (threads; each episode has its own sandbox)
-    sandbox: str = "bwrap"  # "bwrap", or "local" (no isolation: trusted agents and tests only)
+    # "bwrap", "local" (no isolation: trusted agents and tests only), or for container-image tasks "docker" /
+    # "podman" (that engine) / "auto" (an engine that runs, else bwrap); other tasks always use bwrap
+    sandbox: str = "bwrap"
     # tasks whose task.toml permits the public internet share the host's network; off: all run offline,
     # and the report lists the tasks that permit more than they got (docs/sandbox.md, "Network")
     allow_network: bool = False
@@ -80,8 +82,10 @@ class EvalConfig:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.sandbox not in ("bwrap", "local"):
-            raise ConfigError(f"sandbox must be 'bwrap' or 'local', got {self.sandbox!r}")
+        from c2jax.rl.tasks.build import SANDBOX_KINDS
+
+        if self.sandbox not in SANDBOX_KINDS:
+            raise ConfigError(f"sandbox must be one of {', '.join(SANDBOX_KINDS)}, got {self.sandbox!r}")
         if self.prompt_level not in ("terse", "issue", "full"):
             raise ConfigError(f"prompt_level must be terse, issue or full, got {self.prompt_level!r}")
         if self.selector not in SELECTORS:

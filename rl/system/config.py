@@ -129,7 +129,7 @@ class EnvConfig:
     # tests are deterministic (the ladder's are), and RL samples often end on the same diff (a converging
     # policy, a small answer space); off for suites with flaky or time-dependent tests
     cache_verdicts: bool = False
-    sandbox: Literal["bwrap", "local"] = "bwrap"
+    sandbox: Literal["bwrap", "local", "docker", "podman", "auto"] = "bwrap"  # engines: image tasks only
     # tasks whose task.toml permits the public internet share the host's network (bwrap --share-net);
     # off: every task runs offline (docs/sandbox.md, "Network")
     allow_network: bool = False

@@ -82,6 +82,10 @@ class SuiteConfig:
     ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
+# docker / podman / auto apply to container-image tasks (rl/sandbox/engine.py); other tasks use bwrap
+SANDBOX_KINDS = ("bwrap", "local", "docker", "podman", "auto")
+
+
 @dataclass(frozen=True)
 class BackendFactory:
     """`factory(repo_dir, **options)` for one backend; options (workdir, env, limits, network) come from
@@ -92,8 +96,8 @@ class BackendFactory:
     allow_network: bool = False
 
     def __post_init__(self):
-        if self.kind not in ("bwrap", "local"):
-            raise ValueError(f"sandbox must be 'bwrap' or 'local', got {self.kind!r}")
+        if self.kind not in SANDBOX_KINDS:
+            raise ValueError(f"sandbox must be one of {', '.join(SANDBOX_KINDS)}, got {self.kind!r}")
         if not isinstance(self.allow_network, bool):
             raise ValueError(f"allow_network must be true or false, got {self.allow_network!r}")
 
@@ -112,6 +116,14 @@ class BackendFactory:
             return LocalSandbox(repo, allow_unisolated=True, **options)
         from c2jax.rl.sandbox.bwrap import BwrapSandbox
 
+        if (image_source is not None or image_build is not None) and self.kind != "bwrap":
+            # docker / podman: that engine (an error when it does not run); auto: one that runs, else bwrap below
+            from c2jax.rl.sandbox.engine import engine_for_kind, open_image_sandbox
+
+            engine = engine_for_kind(self.kind)
+            if engine is not None:
+                return open_image_sandbox(engine, repo, image_source=image_source, image_build=image_build,
+                                          build_network=self.allow_network, **options)
         if image_source is not None or image_build is not None:
             from c2jax.rl.sandbox.base import WORKSPACE
             from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV, image_cache_dir, load_image

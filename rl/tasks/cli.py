@@ -15,7 +15,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     build.add_argument("overrides", nargs="*", help="dotted key=value overrides of the config")
     val = sub.add_parser("validate", help="check hidden tests fail on the base and pass with the reference")
     val.add_argument("dir", help="a task directory or a suite of them")
-    val.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local"))
+    val.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local", "docker", "podman", "auto"))
     val.add_argument("--allow-network", action="store_true",
                      help="tasks whose task.toml permits the public internet share the host's network")
     val.add_argument("--json", default=None, help="also write the per-task results to this JSON file")

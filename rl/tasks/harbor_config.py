@@ -26,7 +26,8 @@ own tasks (which set none of them) keep the sandbox defaults. Honoured:
   [solution]    env             set for the oracle's solve.sh
 
 A prebuilt `docker_image` runs when the image store ($C2JAX_IMAGE_STORE, see c2jax.rl.sandbox.oci) holds it
-(saved with `docker save` or `skopeo copy`): the task's sandboxes are bwrap containers of the image, its WORKDIR
+(saved with `docker save` or `skopeo copy`): the task's sandboxes are bwrap containers of the image (Docker /
+Podman containers with `sandbox: docker / podman / auto` where an engine runs, rl/sandbox/engine.py), its WORKDIR
 (unless task.toml sets one) and ENV apply, the Dockerfile is not built.
 
 Refused (the task loads as unsupported, with the field in the reason): a `docker_image` missing from the store,
