@@ -67,9 +67,33 @@ class HarborOracle(ScriptedAgent):
         upload_solution(sandbox, self.task)
 
 
+@dataclass
+class ImagePatchOracle(ScriptedAgent):
+    """The oracle on a task whose environment is a container image (a SWE-bench instance image): such images
+    need not have git or patch, so `setup` applies the reference patch the way the grader applies any patch
+    (the environment's git or patch, else the host's git on the workspace tree); the turns only submit."""
+
+    task: Task | None = None
+
+    def setup(self, sandbox: Sandbox) -> None:
+        from c2jax.rl.tasks.grading import _apply
+
+        ok, err = _apply(sandbox, self.task.solution_patch, ".c2jax-oracle")
+        sandbox.exec("rm -rf .c2jax-oracle", timeout_s=60)
+        if not ok:
+            raise RuntimeError(f"task {self.task.id}: the reference patch does not apply: {err}")
+
+
+def _in_image(task: Task) -> bool:
+    return task.environment is not None and (task.environment.image or task.environment.dockerfile) is not None
+
+
 def _oracle(task: Task) -> Agent:
     if task.harbor and task.solution_script is not None:
         return HarborOracle(oracle_turns(task), name="scripted-oracle", task=task)
+    if task.solution_patch and _in_image(task) and task.metadata.get("behaviour") is None:
+        return ImagePatchOracle([[{"name": "submit", "arguments": {"message": "Applied the fix."}}]],
+                                name="scripted-oracle", task=task)
     return ScriptedAgent(oracle_turns(task), name="scripted-oracle")
 
 

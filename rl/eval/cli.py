@@ -20,6 +20,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="run directory (results, report; rerun to resume)")
     parser.add_argument("--config", default=None, help="eval YAML (see experiments/configs/eval_small.yaml)")
     parser.add_argument("--repos", default=None, help="SWE-bench: dir with one repository per instance_id")
+    parser.add_argument("--image-store", default=None,
+                        help="SWE-bench: image store holding each instance's container image "
+                             "(default $C2JAX_IMAGE_STORE; used when --repos is not given)")
     parser.add_argument("--model", default=None, help="openai: served model name")
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--sandbox", choices=("bwrap", "local", "docker", "podman", "auto"), default=None)
@@ -41,7 +44,8 @@ def _config(args):
     from c2jax.rl.eval.config import EvalConfig
 
     data = apply_overrides(load_yaml(args.config) if args.config else {}, args.overrides)
-    for key, value in (("suite", args.suite), ("repos", args.repos), ("out", args.out), ("samples", args.samples),
+    for key, value in (("suite", args.suite), ("repos", args.repos), ("image_store", args.image_store),
+                       ("out", args.out), ("samples", args.samples),
                        ("concurrency", args.concurrency), ("sandbox", args.sandbox), ("label", args.label)):
         if value is not None:
             data[key] = value
@@ -111,7 +115,8 @@ def _run_eval(cfg, args, console) -> int:
     if not cfg.suite:
         raise ValueError("--suite is required")
     out = Path(cfg.out)
-    tasks = suite.load_suite(cfg.suite, repos=cfg.repos, cache_dir=out / "suite-cache")
+    tasks = suite.load_suite(cfg.suite, repos=cfg.repos, image_store=cfg.image_store or None,
+                             cache_dir=out / "suite-cache")
     tasks = suite.select(tasks, categories=cfg.categories, split=cfg.split)
     factory = make_factory(cfg.agent)
     step = args.step if args.step is not None else (cfg.agent.step if cfg.agent.step >= 0 else None)

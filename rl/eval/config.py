@@ -53,6 +53,9 @@ class PricingConfig:
 class EvalConfig:
     suite: str = ""  # task-suite directory, SWE-bench .json/.jsonl instances, or "humaneval[:N]"
     repos: str = ""  # SWE-bench instances: directory holding one checked-out repository per instance_id
+    # SWE-bench instances without --repos: the image store holding each instance's container image
+    # ("" = $C2JAX_IMAGE_STORE)
+    image_store: str = ""
     out: str = "runs/eval/run"
     label: str = ""  # name of this run in reports (default: agent kind + target)
     samples: int = 1  # K: episodes per task

@@ -64,12 +64,17 @@ def task_sha256(task: Task) -> str:
     h = hashlib.sha256(json.dumps({"id": task.id, "instruction": task.instruction, "f2p": task.fail_to_pass,
                                    "p2p": task.pass_to_pass, "test_patch": task.metadata.get("test_patch", "")},
                                   sort_keys=True).encode())
-    if task.repo_dir is not None:
+    if task.metadata.get("image"):  # an instance image: its manifest digest pins every byte of it
+        from c2jax.rl.sandbox.oci import read_image_config
+
+        h.update(read_image_config(task.metadata["image"])[0].encode())
+    elif task.repo_dir is not None:
         h.update(tree_sha256(task.repo_dir).encode())
     return h.hexdigest()
 
 
-def load_suite(spec: str, *, repos: str = "", cache_dir: str | Path | None = None) -> list[Task]:
+def load_suite(spec: str, *, repos: str = "", image_store: str | None = None,
+               cache_dir: str | Path | None = None) -> list[Task]:
     """Tasks of a suite (see the module docstring), sorted by id. Errors name the path and the problem."""
     if not spec:
         raise SuiteError("no suite given: pass a task directory, a SWE-bench .json/.jsonl file, or humaneval[:N]")
@@ -98,7 +103,7 @@ def load_suite(spec: str, *, repos: str = "", cache_dir: str | Path | None = Non
     if path.is_file():
         if path.suffix not in (".json", ".jsonl"):
             raise SuiteError(f"suite file {spec!r}: expected SWE-bench instances (.json or .jsonl)")
-        return _swebench_tasks(path, repos)
+        return _swebench_tasks(path, repos, image_store)
     try:
         tasks = load_tasks(path)
     except TaskFormatError as e:
@@ -108,18 +113,34 @@ def load_suite(spec: str, *, repos: str = "", cache_dir: str | Path | None = Non
     return tasks
 
 
-def _swebench_tasks(path: Path, repos: str) -> list[Task]:
-    from c2jax.rl.tasks.swebench import instance_to_task, load_instances
+def _swebench_tasks(path: Path, repos: str, image_store: str | None) -> list[Task]:
+    """Instances with their repositories from `repos` (one directory per instance_id), else from their
+    container images in the image store (`image_store`, default $C2JAX_IMAGE_STORE)."""
+    import os
 
-    if not repos:
-        raise SuiteError(f"{path}: SWE-bench instances need --repos DIR holding one repository per "
-                         "instance_id (c2jax runs offline and cannot clone them)")
+    from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV, find_in_store, store_name
+    from c2jax.rl.tasks.swebench import image_reference, instance_to_task, load_instances
+
+    store = image_store if image_store is not None else os.environ.get(IMAGE_STORE_ENV, "")
+    if not repos and not store:
+        raise SuiteError(f"{path}: SWE-bench instances need their repositories: --repos DIR holding one per "
+                         f"instance_id, or an image store (--image-store DIR or ${IMAGE_STORE_ENV}) holding each "
+                         "instance's container image (c2jax runs offline and cannot clone them)")
     tasks = []
     for inst in load_instances(path):
-        repo = Path(repos) / inst["instance_id"]
-        if not repo.is_dir():
-            raise SuiteError(f"{path}: no repository for {inst['instance_id']} at {repo}")
-        tasks.append(instance_to_task(inst, repo))
+        if repos:
+            repo = Path(repos) / inst["instance_id"]
+            if not repo.is_dir():
+                raise SuiteError(f"{path}: no repository for {inst['instance_id']} at {repo}")
+            tasks.append(instance_to_task(inst, repo))
+            continue
+        ref = image_reference(inst)
+        image = find_in_store(ref, store)
+        if image is None:
+            raise SuiteError(f"{path}: no image for {inst['instance_id']}: {ref!r} is not in the image store {store} "
+                             f"(save it there as {store_name(ref)} or {store_name(ref)}.tar, e.g. "
+                             f"`c2jax images pull {ref}` where the registry is reachable)")
+        tasks.append(instance_to_task(inst, image=image))
     return sorted(tasks, key=lambda t: t.id)
 
 

@@ -125,6 +125,8 @@ def grade(task: Task, patch: str | None, sandbox_factory: SandboxFactory, *,
     else:
         kept, dropped = drop_test_files(patch or "")
     timeout = timeout_s or task.timeout_s
+    # a task in a container image (a SWE-bench instance image) names the image's interpreter
+    python = task.metadata.get("python") or python
     sandbox, logs = open_task_sandbox(sandbox_factory, task, "verifier")
     with sandbox:
         workdir = f".c2jax-grade-{secrets.token_hex(8)}"  # the agent cannot predict this name

@@ -1,8 +1,15 @@
 """SWE-bench compatibility: instance files in, predictions and reports out, in SWE-bench's formats.
 
-An instance names a repository at a commit, which c2jax cannot fetch offline; `instance_to_task`
-takes the directory where that repository already sits (e.g. unpacked from an sdist) and turns the
-instance into a pytest-graded Task whose hidden overlay is the instance's `test_patch`, applied in the
+An instance names a repository at a commit, which c2jax cannot fetch offline. Two ways to supply it:
+- a directory where that repository already sits (e.g. unpacked from an sdist): `instance_to_task(inst, repo)`;
+  tests run with the host's Python;
+- the instance's container image (SWE-bench's harness publishes one per instance, with the repository at
+  /testbed and its environment in conda's `testbed` env): `instance_to_task(inst, image=PATH)` with the image
+  saved in the image store (c2jax.rl.sandbox.oci). The agent and the grader then run in containers of that
+  image (bubblewrap, or Docker / Podman), the workspace is the image's /testbed, and pytest is the image's
+  (`python` below). The image is found by the instance's own `image_name` / `docker_image` field, else by
+  SWE-bench's naming (`image_reference`).
+Either way the Task is pytest-graded and its hidden overlay is the instance's `test_patch`, applied in the
 grading sandbox after the model patch.
 """
 
@@ -14,10 +21,24 @@ from pathlib import Path
 from typing import Any
 
 from c2jax.rl.tasks.grading import GradeResult
+from c2jax.rl.tasks.harbor_config import TaskEnvironment
 from c2jax.rl.tasks.patches import patch_size
 from c2jax.rl.tasks.task import Task, TaskFormatError
 
 REQUIRED = ("instance_id", "FAIL_TO_PASS", "PASS_TO_PASS")
+# the SWE-bench harness's instance images on Docker Hub ("__" is not allowed in an image name)
+IMAGE_TEMPLATE = "swebench/sweb.eval.x86_64.{id}:latest"
+IMAGE_WORKDIR = "/testbed"
+IMAGE_PYTHON = "/opt/miniconda3/envs/testbed/bin/python"  # the harness images' `testbed` conda env
+
+
+def image_reference(instance: dict[str, Any], template: str = IMAGE_TEMPLATE) -> str:
+    """The container image of an instance: its `image_name` / `docker_image` field when it has one, else
+    `template` with {id} = the instance id lowercased with "__" spelled "_1776_" (the harness's naming)."""
+    for key in ("image_name", "docker_image"):
+        if isinstance(instance.get(key), str) and instance[key]:
+            return instance[key]
+    return template.format(id=instance["instance_id"].lower().replace("__", "_1776_"))
 
 
 def _test_list(value: Any, field: str, instance_id: str) -> list[str]:
@@ -55,9 +76,21 @@ def load_instances(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def instance_to_task(instance: dict[str, Any], repo_dir: str | Path, *, timeout_s: float = 1800.0) -> Task:
-    """A Task from an instance; the hidden tests are its `test_patch` (kept in metadata, applied by
-    `swebench_task_overlay`), the reference its gold `patch`."""
+def instance_to_task(instance: dict[str, Any], repo_dir: str | Path | None = None, *, image: str | Path | None = None,
+                     workdir: str = IMAGE_WORKDIR, python: str | None = None, timeout_s: float = 1800.0) -> Task:
+    """A Task from an instance; the hidden tests are its `test_patch` (kept in metadata, applied in the
+    grading sandbox), the reference its gold `patch`. Give the repository either as `repo_dir` or as the saved
+    container `image` whose `workdir` holds it; in an image, tests run with `python` (the instance's `python`
+    field, else the harness images' testbed env)."""
+    if (repo_dir is None) == (image is None):
+        raise TaskFormatError(f"{instance.get('instance_id')}: give the repository as a directory or as an image "
+                              "(exactly one)")
+    environment, metadata = None, {}
+    if image is not None:
+        environment = TaskEnvironment(workdir=workdir, network="no-network", image=str(image))
+        metadata = {"python": python or instance.get("python") or IMAGE_PYTHON, "image": str(image)}
+        # the workspace is seeded from the image when a sandbox opens; the task has no host repository
+        repo_dir = Path(image)
     gold = instance.get("patch")
     lines, files = patch_size(gold) if gold else (0, 0)
     test_files = sorted({t.split("::")[0] for t in instance["FAIL_TO_PASS"] + instance["PASS_TO_PASS"]
@@ -69,7 +102,9 @@ def instance_to_task(instance: dict[str, Any], repo_dir: str | Path, *, timeout_
         repo=str(instance.get("repo", "")), lines_changed=lines, files_changed=files,
         fail_to_pass=tuple(instance["FAIL_TO_PASS"]), pass_to_pass=tuple(instance["PASS_TO_PASS"]),
         test_files=tuple(test_files), timeout_s=timeout_s, solution_patch=gold,
-        metadata={"test_patch": instance.get("test_patch", ""), "base_commit": instance.get("base_commit", "")})
+        metadata={"test_patch": instance.get("test_patch", ""), "base_commit": instance.get("base_commit", ""),
+                  **metadata},
+        environment=environment)
 
 
 def write_predictions(path: str | Path, predictions: Iterable[tuple[str, str | None]], model: str) -> Path:
