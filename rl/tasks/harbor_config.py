@@ -214,8 +214,8 @@ def _find_image(environment: dict, image_store: str | None) -> str | None:
     found = find_in_store(ref, store)
     if found is None:
         where = f"not in the image store {store}" if store else f"no image store (set ${IMAGE_STORE_ENV})"
-        raise Refused(f"[environment].docker_image = {ref!r}: {where}; save the image there as "
-                      f"{store_name(ref)}.tar (`docker save {ref} -o ...`) or as an OCI layout "
+        raise Refused(f"[environment].docker_image = {ref!r}: {where}; pull it there (`c2jax images pull {ref}`) "
+                      f"or save it there as {store_name(ref)}.tar (`docker save {ref} -o ...`) or as an OCI layout "
                       f"(`skopeo copy docker://{ref} oci:STORE/{store_name(ref)}`)")
     return str(found)
 

@@ -172,7 +172,8 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
     source = find_in_store(ref, store)
     if source is None:
         raise ImageBuildError(f"{name} line {steps[at].line}: base image {ref!r} is not in the image store "
-                              f"{store or '(none set)'}: save it there as {store_name(ref)}.tar")
+                              f"{store or '(none set)'}: save it there as {store_name(ref)}.tar or pull it "
+                              f"there (`c2jax images pull {ref}`)")
     cache_dir = Path(cache_dir)
     base = load_image(source, cache_dir)
     rules = _dockerignore(context)
