@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 # Block sizes for XLA:CPU. Measured 2026-12-04 on this repo's 2-core CI VM (load average 1.3-2.5, noisy: a
 # second run of the same process can be ~1.5x slower), jit fwd+bwd, fp32, B=1, H=8, Dqk=48, Dv=32, causal,
@@ -253,8 +254,15 @@ def _forward(cfg: _Config, q, k, v, meta: _Meta):
     return out, lse
 
 
+# Names of the residuals a remat policy can keep (models/transformer.py, remat_policy "save_attn_kernel"):
+# with them saved, rematerialising a layer for its backward does not run this forward again.
+KERNEL_RESIDUAL_NAMES = ("attn_kernel_out", "attn_kernel_lse")
+
+
 def _flash_fwd(cfg: _Config, q, k, v, meta: _Meta):
     out, lse = _forward(cfg, q, k, v, meta)
+    out = checkpoint_name(out, KERNEL_RESIDUAL_NAMES[0])
+    lse = checkpoint_name(lse, KERNEL_RESIDUAL_NAMES[1])
     return out, (q, k, v, out, lse, meta)
 
 

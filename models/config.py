@@ -16,7 +16,7 @@ MOE_EP_IMPLS = ("allgather", "ragged_a2a")
 MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_per_tensor_fwd+mxfp8_bwd",
                      "mxfp8_floor", "fp8_deepseek")
 MOE_QUANT_DIVISIONS = ("ieee", "approx")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_attn_kernel")
 SCORING_FUNCS = ("sigmoid", "softmax")
 DTYPES = ("float32", "bfloat16", "float16")
 # Short names researchers type; the canonical name is what configs store and YAML shows.

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from c2jax.models.attention import AttentionMask, MLAttention
+from c2jax.models.blockwise_attention import KERNEL_RESIDUAL_NAMES
 from c2jax.models.config import ModelConfig
 from c2jax.models.context_parallel import (
     ContextParallelMask,
@@ -78,6 +79,10 @@ _REMAT = {
     "dots": lambda: jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_attn_out": lambda: jax.checkpoint_policies.save_only_these_names("attn_out", "ffn_out"),
+    # "full", except the blockwise attention kernel's output and log-sum-exp ([B, H, S, Dv] + [B, H, S] per
+    # layer): the backward then recomputes the layer without re-running the attention forward, the dominant
+    # cost at long S (docs/attention.md). Other backends (dense, cuDNN) name nothing: for them this is "full".
+    "save_attn_kernel": lambda: jax.checkpoint_policies.save_only_these_names(*KERNEL_RESIDUAL_NAMES),
 }
 
 

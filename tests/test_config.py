@@ -204,7 +204,7 @@ def _load_any(path):
         from c2jax.rl.system.config import load_system_config
 
         return load_system_config(str(path))
-    if path.name.startswith("tasks_"):
+    if path.name.startswith(("tasks_", "c2bench_")):  # task-suite configs (c2bench_v1: the pinned c2bench)
         from c2jax.rl.tasks.build import SuiteConfig
 
         return from_dict(SuiteConfig, load_yaml(path))

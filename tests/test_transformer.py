@@ -85,7 +85,7 @@ def test_scan_and_unrolled_layers_agree_in_forward_and_gradient():
         assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "save_attn_out"])
+@pytest.mark.parametrize("policy", ["full", "dots", "save_attn_out", "save_attn_kernel"])
 def test_remat_policies_leave_gradients_unchanged(policy):
     tokens = ids()
 
@@ -96,6 +96,29 @@ def test_remat_policies_leave_gradients_unchanged(policy):
     ref, got = grads(TINY), grads(TINY.replace(remat_policy=policy))
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         assert rel_err(b, a) < 1e-5
+
+
+def test_save_attn_kernel_keeps_the_blockwise_forward_out_of_the_recompute(monkeypatch):
+    """remat_policy "save_attn_kernel" keeps the attention kernel's output and log-sum-exp: gradients equal the
+    un-rematerialised ones, and the differentiated program runs the blockwise forward loop once per layer
+    (under "full" the backward runs it again to rebuild its residuals)."""
+    from c2jax.models import attention_backends as ab
+
+    monkeypatch.setenv(ab.ENV_OVERRIDE, "blockwise")
+    tokens = ids()
+
+    def grad_fn(cfg):
+        graphdef, state = nnx.split(init(cfg, seed=0))
+        return jax.grad(lambda st: jnp.mean(nnx.merge(graphdef, st)(tokens).logits ** 2)), state
+
+    ref_fn, state = grad_fn(TINY)
+    keep_fn, _ = grad_fn(TINY.replace(remat_policy="save_attn_kernel"))
+    full_fn, _ = grad_fn(TINY.replace(remat_policy="full"))
+    for a, b in zip(jax.tree.leaves(jax.jit(ref_fn)(state)), jax.tree.leaves(jax.jit(keep_fn)(state))):
+        assert rel_err(b, a) < 1e-5
+    loops = {name: str(jax.make_jaxpr(fn)(state)).count("while[") for name, fn in
+             (("none", ref_fn), ("kept", keep_fn), ("full", full_fn))}
+    assert loops["kept"] == loops["none"] < loops["full"], loops
 
 
 def test_router_replay_reproduces_the_forward_pass(tiny_model):

@@ -36,10 +36,36 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def measure(preset_name: str, seq: int, remat: str, steps: int, mtp: bool = False) -> dict:
+def model_overrides(items: list[str], cfg) -> dict:
+    """`KEY=VALUE` strings as typed model-config fields (e.g. moe_chunk_tokens=8192); unknown keys are refused."""
+    import dataclasses
+
+    types = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"--model-set {item!r}: expected KEY=VALUE with KEY a model config field")
+        current = types[key]
+        if value in ("None", "null"):
+            out[key] = None
+        elif isinstance(current, bool):
+            out[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(current, int) or (current is None and value.lstrip("-").isdigit()):
+            out[key] = int(value)
+        elif isinstance(current, float):
+            out[key] = float(value)
+        else:
+            out[key] = value
+    return out
+
+
+def measure(preset_name: str, seq: int, remat: str, steps: int, mtp: bool = False,
+            overrides: tuple[str, ...] = ()) -> dict:
     base = preset(preset_name)
     cfg = base.replace(remat_policy=remat, num_nextn_predict_layers=base.num_nextn_predict_layers if mtp else 0,
                        max_position_embeddings=max(seq, base.max_position_embeddings))
+    cfg = cfg.replace(**model_overrides(list(overrides), cfg))
     tx = optax.adamw(1e-4)
     graphdef, state = init_train_state(init(cfg, seed=0), tx)
     step = make_train_step(graphdef, tx, router_bias_rate=1e-3, train_mtp=mtp, mtp_weight=0.1)
@@ -62,7 +88,8 @@ def measure(preset_name: str, seq: int, remat: str, steps: int, mtp: bool = Fals
         times.append(time.perf_counter() - t)
     step_s = min(times)
     flops = training_flops_per_token(cfg, seq, include_mtp=mtp) * seq
-    return {"seq": seq, "remat": remat, "mtp": mtp, "params": param_counts(cfg).total, "compile_s": compile_s,
+    return {"seq": seq, "remat": remat, "mtp": mtp, "overrides": list(overrides), "params": param_counts(cfg).total,
+            "compile_s": compile_s,
             "temp_bytes": temp, "peak_rss_gib": peak_rss_gib(), "step_s": step_s, "tokens_per_s": seq / step_s,
             "model_flops_per_s": flops / step_s, "loss": float(metrics["loss"])}
 
@@ -75,13 +102,15 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=1, help="timed steps after the first (best is reported)")
     p.add_argument("--mtp", action="store_true", help="keep the preset's MTP module and train it (self-distillation):"
                    " `small` is then 40.4M parameters")
+    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="model config override, repeatable (e.g. moe_chunk_tokens=8192 loss_chunk_tokens=2048)")
     p.add_argument("--out", default="runs/bench/long_context.json")
     args = p.parse_args(argv)
     machine = describe()
     rows = []
     for remat in args.remat.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
-            row = measure(args.preset, seq, remat, args.steps, args.mtp)
+            row = measure(args.preset, seq, remat, args.steps, args.mtp, tuple(args.model_set))
             rows.append(row)
             print(f"{row['params'] / 1e6:5.1f}M  S={seq:6d} remat={remat:5s} compile {row['compile_s']:6.1f} s  "
                   f"temp {row['temp_bytes'] / 2**30:6.2f} "
