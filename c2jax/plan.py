@@ -11,8 +11,8 @@ The memory model (per device; docs/parallelism.md, "Memory model"):
   gradients    one fp32 gradient per parameter, sharded like it
   gathered     FSDP all-gathers one layer's weights (in `dtype`) at a time: two layers in flight
   saved        what the backward keeps per layer: with remat_policy "full" only the layer's input
-               [T, d]; otherwise every residual of the layer (other policies are planned as "none", an
-               upper bound)
+               [T, d]; "save_attn_kernel" adds the attention kernel's output and log-sum-exp; otherwise every
+               residual of the layer (other policies are planned as "none", an upper bound)
   layer        one layer's backward working set: its residuals and their cotangents, the full-sequence K/V a
                context-parallel rank gathers, and the MoE's dispatch buffers for one chunk of
                `moe_chunk_tokens` (under expert parallelism the exchange of one chunk: ep x its assignments)
@@ -204,6 +204,11 @@ def plan(model: ModelConfig, mesh: MeshConfig, seq_len: int, global_batch: int, 
     notes = []
     if model.remat_policy == "full":
         saved = layers * tokens * d * act
+    elif model.remat_policy == "save_attn_kernel":
+        # full, plus the blockwise kernel's output [T, H, Dv] and fp32 log-sum-exp [T, H] per layer (an upper
+        # bound where the backend is dense or cuDNN, which keep nothing extra under this policy)
+        heads = model.num_attention_heads
+        saved = layers * tokens * (d * act + heads * model.v_head_dim * act + heads * 4)
     else:
         saved = num_dense * dense_res + num_moe * moe_res + num_mtp * mtp_res
         if model.remat_policy != "none":

@@ -39,6 +39,11 @@ def test_remat_full_keeps_only_layer_inputs_and_chunking_bounds_the_head():
     full, none = (plan(model.replace(remat_policy=r), MeshConfig(), 32768, 1) for r in ("full", "none"))
     assert full.activation_terms["saved per layer"] == 4 * 32768 * 512 * 4  # L x T x d x fp32
     assert none.activation_terms["saved per layer"] > 10 * full.activation_terms["saved per layer"]
+    # save_attn_kernel: also the kernel's output [T, H, Dv] and fp32 log-sum-exp [T, H] (XLA's temporaries at
+    # 32k grew by 0.10 GiB over "full" in experiments/bench/long_context.py; planned 0.13 GiB)
+    kept = plan(model.replace(remat_policy="save_attn_kernel"), MeshConfig(), 32768, 1)
+    assert kept.activation_terms["saved per layer"] == 4 * 32768 * (512 * 4 + 8 * 32 * 4 + 8 * 4)
+    assert not any("save_attn_kernel" in n for n in kept.notes)
     chunked = full.activation_terms["head + loss"]
     whole = plan(model.replace(remat_policy="full", loss_chunk_tokens=0), MeshConfig(), 32768, 1)
     assert whole.activation_terms["head + loss"] > 3.5 * chunked  # 32k x 8k logits vs 8k-token chunks

@@ -85,7 +85,7 @@ def test_scan_and_unrolled_layers_agree_in_forward_and_gradient():
         assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "save_attn_out", "save_attn_kernel"])
+@pytest.mark.parametrize("policy", ["full", "dots", "save_attn_out"])  # save_attn_kernel: below
 def test_remat_policies_leave_gradients_unchanged(policy):
     tokens = ids()
 
