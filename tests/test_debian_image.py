@@ -11,6 +11,7 @@ is absent (the CI machines have no mmdebstrap). ~80 s here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -213,6 +214,10 @@ def test_swebench_instance_runs_in_its_container_image(debian_store, tmp_path, m
     assert task.environment.workdir == "/testbed" and task.metadata["python"] == "/usr/bin/python3"
     assert task.lines_changed == 2 and task.files_changed == 1
     assert len(task_sha256(task)) == 64
+    # the fingerprint pins the image: the same instance on another image hashes differently
+    other = dataclasses.replace(task, environment=dataclasses.replace(
+        task.environment, image=str(find_in_store("c2jax/debian:bookworm", debian_store))))
+    assert task_sha256(other) != task_sha256(task)
     status, reward, error = _evaluate(task, "oracle", sandbox)
     assert (status, reward) == ("resolved", 1.0), error
     assert _evaluate(task, "nop", sandbox)[:2] == ("unresolved", 0.0)

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from c2jax.config import apply_overrides, from_dict, to_dict
 from c2jax.machine import describe, finish, summary_line
-from c2jax.models.config import preset
+from c2jax.models.config import ModelConfig, preset
 from c2jax.models.flops import param_counts, training_flops_per_token
 from c2jax.models.transformer import init
 from c2jax.train.step import init_train_state, make_train_step
@@ -36,36 +37,13 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def model_overrides(items: list[str], cfg) -> dict:
-    """`KEY=VALUE` strings as typed model-config fields (e.g. moe_chunk_tokens=8192); unknown keys are refused."""
-    import dataclasses
-
-    types = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in types:
-            raise SystemExit(f"--model-set {item!r}: expected KEY=VALUE with KEY a model config field")
-        current = types[key]
-        if value in ("None", "null"):
-            out[key] = None
-        elif isinstance(current, bool):
-            out[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(current, int) or (current is None and value.lstrip("-").isdigit()):
-            out[key] = int(value)
-        elif isinstance(current, float):
-            out[key] = float(value)
-        else:
-            out[key] = value
-    return out
-
-
 def measure(preset_name: str, seq: int, remat: str, steps: int, mtp: bool = False,
             overrides: tuple[str, ...] = ()) -> dict:
     base = preset(preset_name)
     cfg = base.replace(remat_policy=remat, num_nextn_predict_layers=base.num_nextn_predict_layers if mtp else 0,
                        max_position_embeddings=max(seq, base.max_position_embeddings))
-    cfg = cfg.replace(**model_overrides(list(overrides), cfg))
+    if overrides:  # the config system's dotted overrides, typed and checked (an unknown key names itself)
+        cfg = from_dict(ModelConfig, apply_overrides(to_dict(cfg), overrides))
     tx = optax.adamw(1e-4)
     graphdef, state = init_train_state(init(cfg, seed=0), tx)
     step = make_train_step(graphdef, tx, router_bias_rate=1e-3, train_mtp=mtp, mtp_weight=0.1)
@@ -106,6 +84,10 @@ def main(argv=None) -> dict:
                    help="model config override, repeatable (e.g. moe_chunk_tokens=8192 loss_chunk_tokens=2048)")
     p.add_argument("--out", default="runs/bench/long_context.json")
     args = p.parse_args(argv)
+    try:  # refuse a bad override before anything compiles
+        from_dict(ModelConfig, apply_overrides(to_dict(preset(args.preset)), args.model_set))
+    except ValueError as e:
+        p.error(f"--model-set: {e}")
     machine = describe()
     rows = []
     for remat in args.remat.split(","):

@@ -84,14 +84,10 @@ class ImagePatchOracle(ScriptedAgent):
             raise RuntimeError(f"task {self.task.id}: the reference patch does not apply: {err}")
 
 
-def _in_image(task: Task) -> bool:
-    return task.environment is not None and (task.environment.image or task.environment.dockerfile) is not None
-
-
 def _oracle(task: Task) -> Agent:
     if task.harbor and task.solution_script is not None:
         return HarborOracle(oracle_turns(task), name="scripted-oracle", task=task)
-    if task.solution_patch and _in_image(task) and task.metadata.get("behaviour") is None:
+    if task.solution_patch and task.environment is not None and task.environment.in_image:
         return ImagePatchOracle([[{"name": "submit", "arguments": {"message": "Applied the fix."}}]],
                                 name="scripted-oracle", task=task)
     return ScriptedAgent(oracle_turns(task), name="scripted-oracle")

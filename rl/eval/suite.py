@@ -64,10 +64,11 @@ def task_sha256(task: Task) -> str:
     h = hashlib.sha256(json.dumps({"id": task.id, "instruction": task.instruction, "f2p": task.fail_to_pass,
                                    "p2p": task.pass_to_pass, "test_patch": task.metadata.get("test_patch", "")},
                                   sort_keys=True).encode())
-    if task.metadata.get("image"):  # an instance image: its manifest digest pins every byte of it
+    if task.environment is not None and task.environment.image is not None:
+        # an instance image: its manifest digest pins every byte of it
         from c2jax.rl.sandbox.oci import read_image_config
 
-        h.update(read_image_config(task.metadata["image"])[0].encode())
+        h.update(read_image_config(task.environment.image)[0].encode())
     elif task.repo_dir is not None:
         h.update(tree_sha256(task.repo_dir).encode())
     return h.hexdigest()

@@ -75,6 +75,11 @@ class TaskEnvironment:
     image: str | None = None  # a saved container image (c2jax.rl.sandbox.oci) found for `docker_image`
     dockerfile: str | None = None  # a Dockerfile built over a store image (c2jax.rl.tasks.image_build)
 
+    @property
+    def in_image(self) -> bool:
+        """Whether the task's sandboxes are containers of an image (a saved one, or its Dockerfile built)."""
+        return self.image is not None or self.dockerfile is not None
+
     def limits(self) -> Limits | None:
         """The sandbox limits the task asks for, or None when it sets none of cpus/memory/storage."""
         if self.cpus is None and self.memory_mb is None and self.storage_mb is None:

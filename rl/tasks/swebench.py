@@ -88,7 +88,7 @@ def instance_to_task(instance: dict[str, Any], repo_dir: str | Path | None = Non
     environment, metadata = None, {}
     if image is not None:
         environment = TaskEnvironment(workdir=workdir, network="no-network", image=str(image))
-        metadata = {"python": python or instance.get("python") or IMAGE_PYTHON, "image": str(image)}
+        metadata = {"python": python or instance.get("python") or IMAGE_PYTHON}
         # the workspace is seeded from the image when a sandbox opens; the task has no host repository
         repo_dir = Path(image)
     gold = instance.get("patch")
