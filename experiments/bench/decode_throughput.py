@@ -7,6 +7,18 @@ machine, same shapes: batch B of prompts of P tokens, N new tokens each, greedy,
 Also the cache bytes per token: latent (kv_lora_rank + qk_rope_head_dim per layer) vs expanded per-head K/V.
 Compilation is excluded (one warm-up generation per shape). Writes runs/bench/decode_throughput.json.
 
+Roofline, per batch size (steady-state decode: every slot live, no prefill in the timed chunks):
+  step_ms       wall time of the engine's decode chunks / decode steps run
+  bytes/step    weights every step reads (attention, dense MLP, shared experts, router, norms, the LM head, the
+                embedding rows of the batch) + the routed experts actually touched (distinct experts per MoE layer
+                in the recorded expert ids of the batch's tokens at that step) + the latent cache positions read
+  MBU           bytes/step / step time, over the best streaming bandwidth measured in this run (a jitted
+                reduction over an array of the same size as bytes/step, and a NumPy copy of it counted read +
+                write: the faster of the two)
+  MFU           useful FLOPs/step (projections, absorbed attention over the positions read, the chosen experts,
+                the head; no padding) / step time, over a jitted 2048^3 fp32 GEMM timed in this run
+  host %        1 - (device time of the same chunks run back to back) / (engine wall time): the host's share
+
   .venv/bin/python experiments/bench/decode_throughput.py [--batches 1 8 32] [--prompt 64] [--new 64]
 """
 
@@ -28,7 +40,142 @@ from flax import nnx  # noqa: E402
 from c2jax.machine import describe, finish, summary_line  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token  # noqa: E402
+from c2jax.models.inference.forward import init_cache, unstack  # noqa: E402
+from c2jax.models.inference.sampling import SamplingParams  # noqa: E402
+from c2jax.models.inference.steps import SlotState, decode_chunk  # noqa: E402
 from c2jax.models.transformer import init  # noqa: E402
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def streaming_bandwidth(nbytes: int) -> dict:
+    """Bytes/s of the fastest ways this machine streams `nbytes` in this process: a jitted reduction reading
+    an array that size (XLA, all threads) and a NumPy copy (read + write counted)."""
+    rows = max(1, nbytes // 4 // 1024)
+    a = jax.numpy.ones((rows, 1024), jax.numpy.float32)
+    read = jax.jit(lambda a: a.sum(0))
+    t_read = _median_time(lambda: read(a).block_until_ready(), 20)
+    host = np.ones(rows * 1024, np.float32)
+    dst = np.empty_like(host)
+    t_copy = _median_time(lambda: np.copyto(dst, host), 20)
+    xla_read, numpy_copy = a.nbytes / t_read, 2 * host.nbytes / t_copy
+    return {"bytes": int(a.nbytes), "xla_read_gb_s": xla_read / 1e9, "numpy_copy_gb_s": numpy_copy / 1e9,
+            "roofline_gb_s": max(xla_read, numpy_copy) / 1e9}
+
+
+def gemm_peak() -> float:
+    """FLOP/s of a jitted 2048^3 fp32 matmul: the compute roofline MFU is quoted against."""
+    n = 2048
+    a = jax.numpy.ones((n, n), jax.numpy.float32)
+    mm = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / _median_time(lambda: mm(a).block_until_ready(), 10)
+
+
+def decode_flops_per_token(cfg, key_len: int) -> float:
+    """Useful FLOPs of one decode token: projections, absorbed MLA over key_len positions, dense MLP, router,
+    the chosen + shared experts, the LM head (multiply-adds x 2)."""
+    d, h, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * (dn + dr) if cfg.q_lora_rank else d * h * (dn + dr)
+    attn = q + d * (r + dr) + h * dn * r + h * (r + dr) * key_len + h * key_len * r + h * r * dv + h * dv * d
+    expert = 3 * d * cfg.moe_intermediate_size
+    moe = d * cfg.n_routed_experts + (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+    dense_mlp = 3 * d * cfg.intermediate_size
+    layers = cfg.num_hidden_layers * attn + cfg.num_dense_layers * dense_mlp + cfg.num_moe_layers * moe
+    return 2.0 * (layers + d * cfg.vocab_size)
+
+
+def _is_routed(path, leaf) -> bool:
+    """A routed experts' stack: [E, ., .] gate_up_proj / down_proj of an MoE layer (not its shared experts)."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    return leaf.ndim == 3 and "shared_experts" not in keys and ("gate_up_proj" in keys or "down_proj" in keys)
+
+
+def weight_bytes(weights) -> tuple[int, list[int]]:
+    """(bytes every decode step reads besides routed experts and embedding rows, bytes of one routed expert per
+    MoE layer) from `unstack`'s per-layer state."""
+    fixed, per_expert = 0, []
+    for layer in weights.layers:
+        expert = 0
+        for path, leaf in jax.tree_util.tree_leaves_with_path(layer):
+            if _is_routed(path, leaf):
+                expert += leaf.nbytes // leaf.shape[0]
+            else:
+                fixed += leaf.nbytes
+        if expert:
+            per_expert.append(expert)
+    fixed += weights.head_vd.nbytes + weights.model["norm"]["weight"][...].nbytes
+    return fixed, per_expert
+
+
+def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
+    """Steady-state decode of len(prompts) slots: step time, bytes and FLOPs per step, MBU, MFU, host share."""
+    graphdef, state = nnx.split(model)
+    cfg = model.cfg
+    batch, prompt_len = len(prompts), len(prompts[0])
+    config = EngineConfig(slots=batch, max_len=prompt_len + new_tokens + chunk_steps, chunk_steps=chunk_steps)
+    engine = InferenceEngine(cfg, graphdef, state, config=config)
+    reqs = [Request(p, new_tokens, temperature=0.0) for p in prompts]
+    engine.generate(reqs)  # compile
+    ids = [engine.submit(r) for r in reqs]
+    engine.step()  # prefill and the first chunk, not timed
+    chunks, key_lens = 0, []
+    t0 = time.perf_counter()
+    while engine.has_work:
+        # cache length before chunk c (c >= 1) is prompt + c * chunk_steps; the engine reads that + one chunk
+        needed = prompt_len + (chunks + 2) * chunk_steps
+        key_lens.append(min(config.max_len, -(-needed // config.key_bucket) * config.key_bucket))
+        engine.step()
+        chunks += 1
+    wall = time.perf_counter() - t0
+    results = [engine.pop_result(i) for i in ids]
+    steps = chunks * chunk_steps
+    step_s = wall / steps
+    # device time of the same chunks, back to back (no host work between them)
+    defs, weights = unstack(graphdef, state)
+    sampling = SamplingParams(jax.numpy.zeros(batch), jax.numpy.ones(batch), jax.numpy.zeros(batch, jax.numpy.int32),
+                              jax.numpy.zeros(batch, jax.numpy.uint32))
+    stop_ids = jax.numpy.full((batch, 4), -1, jax.numpy.int32)
+    cache = init_cache(cfg, batch, config.max_len)
+
+    def chunks_on_device():
+        nonlocal cache
+        for c, key_len in enumerate(key_lens):
+            slots = SlotState(jax.numpy.asarray([r.token_ids[0] for r in results], jax.numpy.int32),
+                              jax.numpy.full((batch,), prompt_len + (c + 1) * chunk_steps, jax.numpy.int32),
+                              jax.numpy.ones((batch,), bool), jax.numpy.full((batch,), 1 << 20, jax.numpy.int32))
+            cache, _, out = decode_chunk(cfg, defs, weights, cache, slots, stop_ids, sampling, steps=chunk_steps,
+                                         key_len=key_len, absorbed=True)
+        jax.block_until_ready(out.tokens)
+
+    device = _median_time(chunks_on_device, 3)
+    # distinct routed experts per MoE layer and decode step (token j >= 1 of every result came from a decode step)
+    experts = np.stack([r.expert_ids[1:] for r in results], axis=1)  # [steps, batch, L_moe, k]
+    distinct = np.array([[len(np.unique(experts[j, :, layer])) for layer in range(experts.shape[2])]
+                         for j in range(experts.shape[0])]).mean(axis=0)  # [L_moe]
+    fixed, per_expert = weight_bytes(weights)
+    item = np.dtype(cfg.dtype).itemsize
+    key_len = float(np.mean(key_lens))
+    cache_read = cfg.num_hidden_layers * batch * key_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    routed = float(np.dot(distinct, per_expert))
+    step_bytes = fixed + batch * cfg.hidden_size * item + routed + cache_read
+    flops = batch * decode_flops_per_token(cfg, int(round(key_len)))
+    bandwidth = streaming_bandwidth(int(step_bytes))
+    return {"batch": batch, "step_ms": 1e3 * step_s, "decode_tokens_per_s": batch / step_s,
+            "bytes_per_step": step_bytes, "bytes": {"fixed": fixed, "routed_experts": routed, "cache": cache_read},
+            "distinct_experts_per_layer": distinct.tolist(), "mean_key_len": key_len,
+            "achieved_gb_s": step_bytes / step_s / 1e9, "bandwidth": bandwidth,
+            "mbu": step_bytes / step_s / (bandwidth["roofline_gb_s"] * 1e9),
+            "flops_per_step": flops, "achieved_gflop_s": flops / step_s / 1e9, "mfu": flops / step_s / peak_flops,
+            "host_fraction": max(0.0, 1.0 - device / wall), "device_s": device, "wall_s": wall}
 
 
 def bench_engine(model, prompts, new_tokens, chunk_steps):
@@ -90,6 +237,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--chunk-steps", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-roofline", action="store_true")
     ap.add_argument("--out", default="runs/bench/decode_throughput.json")
     args = ap.parse_args(argv)
     machine = describe()
@@ -98,7 +246,8 @@ def main(argv=None) -> int:
     model = init(cfg, seed=0)
     rng = np.random.default_rng(0)
     latent, expanded = cache_bytes_per_token(cfg)
-    rows = []
+    rows, roofline = [], []
+    peak = None if args.skip_roofline else gemm_peak()
     for batch in args.batches:
         prompts = rng.integers(1, cfg.vocab_size, size=(batch, args.prompt)).tolist()
         ours = bench_engine(model, prompts, args.new, args.chunk_steps)
@@ -106,6 +255,8 @@ def main(argv=None) -> int:
         rows.append({"batch": batch, "c2jax": ours, "hf": hf,
                      "speedup": None if hf is None else ours["tokens_per_s"] / hf["tokens_per_s"]})
         print(f"batch {batch}: c2jax {ours}  hf {hf}", flush=True)
+        if peak is not None:
+            roofline.append(decode_roofline(model, prompts, args.new, args.chunk_steps, peak))
 
     print(f"\nsmall preset, prompt {args.prompt}, new {args.new}, fp32, {jax.devices()[0].platform}")
     print(f"{'batch':>5} | {'c2jax tok/s':>11} {'ttft s':>8} | {'HF tok/s':>9} {'ttft s':>8} | {'speedup':>7}")
@@ -113,6 +264,15 @@ def main(argv=None) -> int:
         hf = r["hf"] or {"tokens_per_s": float("nan"), "ttft_s": float("nan")}
         print(f"{r['batch']:>5} | {r['c2jax']['tokens_per_s']:>11.1f} {r['c2jax']['ttft_s']:>8.3f} | "
               f"{hf['tokens_per_s']:>9.1f} {hf['ttft_s']:>8.3f} | {(r['speedup'] or float('nan')):>7.2f}x")
+    if roofline:
+        print(f"\ndecode roofline (steady state; fp32 GEMM peak measured {peak / 1e9:.0f} GFLOP/s)")
+        print(f"{'batch':>5} | {'step ms':>7} {'MB/step':>8} {'GB/s':>6} {'roof GB/s':>9} {'MBU':>5} | "
+              f"{'GFLOP/s':>7} {'MFU':>5} | {'host %':>6} | distinct experts/layer")
+        for r in roofline:
+            print(f"{r['batch']:>5} | {r['step_ms']:>7.2f} {r['bytes_per_step'] / 1e6:>8.1f} "
+                  f"{r['achieved_gb_s']:>6.1f} {r['bandwidth']['roofline_gb_s']:>9.1f} {r['mbu']:>5.0%} | "
+                  f"{r['achieved_gflop_s']:>7.1f} {r['mfu']:>5.1%} | {100 * r['host_fraction']:>6.1f} | "
+                  + " ".join(f"{x:.1f}" for x in r["distinct_experts_per_layer"]))
     print(f"cache bytes/token (fp32, all layers): latent {latent}, expanded K/V {expanded} "
           f"({expanded / latent:.1f}x larger)")
     print(f"machine: {summary_line(finish(machine))}")
@@ -121,7 +281,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps({
         "preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new, "chunk_steps": args.chunk_steps,
         "machine": machine,
-        "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded}, "rows": rows}, indent=2))
+        "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded}, "rows": rows,
+        "gemm_peak_gflop_s": None if peak is None else peak / 1e9, "roofline": roofline}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -234,10 +234,11 @@ class InferenceEngine:
     # scheduling -------------------------------------------------------------------------------------
     def _sampling(self, requests: Sequence[Request | None]) -> SamplingParams:
         reqs = [r or Request([0], 1, temperature=0.0) for r in requests]
-        return SamplingParams(jnp.asarray([r.temperature for r in reqs], jnp.float32),
-                              jnp.asarray([r.top_p for r in reqs], jnp.float32),
-                              jnp.asarray([r.top_k for r in reqs], jnp.int32),
-                              jnp.asarray([r.seed % (1 << 32) for r in reqs], jnp.uint32))
+        # NumPy arrays: the jitted step takes them as they are (jnp.asarray would be one eager dispatch each)
+        return SamplingParams(np.asarray([r.temperature for r in reqs], np.float32),
+                              np.asarray([r.top_p for r in reqs], np.float32),
+                              np.asarray([r.top_k for r in reqs], np.int32),
+                              np.asarray([r.seed % (1 << 32) for r in reqs], np.uint32))
 
     def _key_len(self, needed: int) -> int:
         kb = self.config.key_bucket
@@ -404,16 +405,16 @@ class InferenceEngine:
             if r is not None and r.stop_token_ids:
                 stop_ids[slot, : len(r.stop_token_ids)] = r.stop_token_ids
         steps = self.config.chunk_steps
-        state = SlotState(jnp.asarray(self._pending), jnp.asarray(self._lengths), jnp.asarray(live),
-                          jnp.asarray(self._remaining))
+        state = SlotState(self._pending.copy(), self._lengths.copy(), np.asarray(live), self._remaining.copy())
         if self.speculative:
             self._spec_chunk(state, stop_ids, requests, int(sum(live)))
             return
         key_len = self._key_len(int(self._lengths[live].max()) + steps)
         self.cache, new_state, out = decode_chunk(
-            self.cfg, self._defs, self._weights, self.cache, state, jnp.asarray(stop_ids),
+            self.cfg, self._defs, self._weights, self.cache, state, stop_ids,
             self._sampling(requests), steps=steps, key_len=key_len, absorbed=self.config.absorbed)
-        self._lengths = np.array(new_state.lengths)
+        lengths, out = jax.device_get((new_state.lengths, out))  # one transfer, then host-side NumPy only
+        self._lengths = np.array(lengths)
         self._record_chunk(out.tokens[..., None], out.logprobs[..., None], out.raw_logprobs[..., None],
                            None if out.expert_ids is None else out.expert_ids[:, :, None], out.valid[..., None])
 
@@ -426,9 +427,10 @@ class InferenceEngine:
         key_len = self._key_len(int(self._lengths[np.asarray(state.active)].max()) + rounds * (k + 1) + 1)
         self.cache, self.mtp_cache, new_state, self.spec, out = spec_decode_chunk(
             self.cfg, self._defs, self._weights, self.cache, self.mtp_cache, state, self.spec,
-            jnp.asarray(stop_ids), self._sampling(requests), rounds=rounds, k=k, key_len=key_len,
+            stop_ids, self._sampling(requests), rounds=rounds, k=k, key_len=key_len,
             absorbed=cfg.absorbed)
-        self._lengths = np.array(new_state.lengths)
+        lengths, out = jax.device_get((new_state.lengths, out))  # one transfer, then host-side NumPy only
+        self._lengths = np.array(lengths)
         stats = self.spec_stats
         stats["spec_chunks" if k else "plain_chunks"] += 1
         if k:

@@ -57,6 +57,51 @@ def token_keys(seed: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
         seed.astype(jnp.uint32), positions.astype(jnp.uint32))
 
 
+def first_argmax(logits: jnp.ndarray) -> jnp.ndarray:
+    """argmax over the last axis, ties to the first index (as jnp.argmax). Two plain reductions (max, then the
+    smallest index attaining it) instead of XLA:CPU's variadic arg-reduce: 2x faster at [32, 8192] on CPU."""
+    vocab = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(index, vocab - 1)  # a row of NaNs matches nothing: stay in range
+
+
+_DRAW_BLOCK = 128
+
+
+def _last_positive(mass: jnp.ndarray) -> jnp.ndarray:
+    """Index of the last entry > 0 along the last axis of mass [..., n] (0 if none)."""
+    n = mass.shape[-1]
+    return jnp.max(jnp.where(mass > 0, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+
+
+def draw(keys: jnp.ndarray, logits: jnp.ndarray) -> jnp.ndarray:
+    """One token per row of logits [b, V] (-inf = excluded), distributed as softmax(logits), from ONE uniform
+    per row (key [b]) by inverting the cumulative distribution: token i is drawn iff
+    cdf(i - 1) <= u * total < cdf(i), and an excluded token (mass 0) spans an empty interval, so it is never drawn.
+    The cumulative sum is two-level (blocks of 128, then inside the chosen block), O(V) work.
+    Replaces Gumbel-max (jax.random.categorical), which draws V random numbers per row: measured on 2 CPU cores
+    at [32, 8192], 6.6 ms against 0.2 ms, more than a whole decode step's matmuls at batch 8."""
+    b, vocab = logits.shape
+    blocks = -(-vocab // _DRAW_BLOCK)
+    pad = blocks * _DRAW_BLOCK - vocab
+    logits = logits.astype(jnp.float32)
+    mass = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    mass = jnp.pad(mass, ((0, 0), (0, pad))).reshape(b, blocks, _DRAW_BLOCK)
+    block_mass = mass.sum(-1)  # [b, blocks]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    target = u * block_cdf[:, -1]  # [b], in [0, total)
+    # rounding can push target past the last cumulative sum: fall back to the last block / token with mass
+    block = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), _last_positive(block_mass))
+    inner = jnp.take_along_axis(mass, block[:, None, None], axis=1)[:, 0]  # [b, 128]
+    before = (jnp.take_along_axis(block_cdf, block[:, None], axis=1)
+              - jnp.take_along_axis(block_mass, block[:, None], axis=1))  # [b, 1]
+    inner_cdf = jnp.cumsum(inner, axis=-1) + before
+    within = jnp.minimum(jnp.sum(inner_cdf <= target[:, None], axis=-1), _last_positive(inner))
+    return (block * _DRAW_BLOCK + within).astype(jnp.int32)
+
+
 def sampling_logits(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
     """logits [b, V] -> the logits of the distribution a token is drawn from: divided by the temperature (1 for
     greedy rows), then top-k / top-p truncated (-inf outside the kept set)."""
@@ -81,8 +126,13 @@ def sample(logits: jnp.ndarray, params: SamplingParams, positions: jnp.ndarray) 
     sequence (folded into the key)."""
     logits = logits.astype(jnp.float32)
     greedy = params.temperature <= 0
-    truncated = sampling_logits(logits, params)
-    drawn = jax.vmap(jax.random.categorical)(token_keys(params.seed, positions), truncated)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    best = first_argmax(logits)
+
+    def sampled(logits):
+        drawn = draw(token_keys(params.seed, positions), sampling_logits(logits, params))
+        return jnp.where(greedy, best, drawn)
+
+    # an all-greedy batch (evaluation) skips the truncation and the draw altogether
+    tokens = jax.lax.cond(jnp.all(greedy), lambda logits: best, sampled, logits).astype(jnp.int32)
     logprobs, raw = token_logprobs(logits, params, tokens)
     return Sample(tokens, logprobs, raw)

@@ -44,6 +44,8 @@ from c2jax.models.config import ModelConfig
 from c2jax.models.inference.forward import LayerCache, extend, mtp_step, mtp_write, prepare
 from c2jax.models.inference.sampling import (
     SamplingParams,
+    draw,
+    first_argmax,
     sampling_logits,
     token_keys,
     token_logprobs,
@@ -72,7 +74,7 @@ def _probs(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
     """The sampler's distribution [b, V] for logits [b, V]: one-hot argmax for greedy rows."""
     greedy = (params.temperature <= 0)[:, None]
     soft = jax.nn.softmax(sampling_logits(logits, params), axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=soft.dtype)
+    hard = jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=soft.dtype)
     return jnp.where(greedy, hard, soft)
 
 
@@ -112,8 +114,8 @@ def speculative_accept(p_logits: jnp.ndarray, q_logits: jnp.ndarray, drafts: jnp
     logits_a = jnp.take_along_axis(p_logits, accepted[:, None, None], axis=1)[:, 0]
     final_logits = jnp.where(accepted[:, None] == k, sampling_logits(logits_a, params), jnp.log(residual))
     key_a = jnp.take_along_axis(base.reshape(b, k1), accepted[:, None], axis=1)[:, 0]
-    drawn = jax.vmap(jax.random.categorical)(key_a, final_logits)
-    final = jnp.where(greedy, jnp.argmax(logits_a, axis=-1), drawn).astype(jnp.int32)
+    drawn = draw(key_a, final_logits)
+    final = jnp.where(greedy, first_argmax(logits_a), drawn).astype(jnp.int32)
     padded = jnp.concatenate([drafts.astype(jnp.int32), jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(k1)[None] == accepted[:, None], final[:, None], padded)
     logprobs, raw = token_logprobs(p_logits.reshape(b * k1, vocab), _rows(params, k1), tokens.reshape(-1))
@@ -135,8 +137,8 @@ def draft_tokens(cfg: ModelConfig, prepared, mtp_cache, hidden, token, start, pa
                                            key_len=key_len, absorbed=absorbed)
         q_logits = logits[:, 0]
         keys = jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT))(token_keys(params.seed, start + i + 2))
-        drawn = jax.vmap(jax.random.categorical)(keys, sampling_logits(q_logits, params))
-        tok = jnp.where(greedy, jnp.argmax(q_logits, axis=-1), drawn).astype(jnp.int32)[:, None]
+        drawn = draw(keys, sampling_logits(q_logits, params))
+        tok = jnp.where(greedy, first_argmax(q_logits), drawn).astype(jnp.int32)[:, None]
         drafts.append(tok[:, 0])
         qs.append(q_logits)
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), tuple(mtp_cache)

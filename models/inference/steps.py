@@ -31,11 +31,12 @@ def prefill_rows(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, tokens,
                  sampling: SamplingParams, *, key_len: int, absorbed: bool, prepared=None):
     """Prefill b prompts at once: row i's tokens [b, T_bucket] (first n_valid[i] real) go to positions
     start[i].. of slot[i]; samples each row's next token. A slot index >= the cache's slot count is a padding
-    row: its writes are dropped. Returns (PrefillOutput, StepOutput of the forward)."""
-    out = extend(cfg, graphdef, state, cache, tokens, slot, start, key_len=key_len, absorbed=absorbed,
-                 prepared=prepared)
+    row: its writes are dropped. Returns (PrefillOutput, StepOutput of the forward with logits at each row's
+    last prompt position only)."""
     idx = n_valid - 1
-    last = jnp.take_along_axis(out.logits, idx[:, None, None], axis=1)[:, 0]
+    out = extend(cfg, graphdef, state, cache, tokens, slot, start, key_len=key_len, absorbed=absorbed,
+                 prepared=prepared, logits_at=idx)
+    last = out.logits[:, 0]
     first = sample(last, sampling, start + n_valid)
     experts = out.expert_ids
     first_experts = None if experts is None else jnp.take_along_axis(experts, idx[:, None, None, None], axis=1)[:, 0]
