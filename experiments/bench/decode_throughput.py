@@ -19,7 +19,7 @@ Roofline, per batch size (steady-state decode: every slot live, no prefill in th
                 the head; no padding) / step time, over a jitted 2048^3 fp32 GEMM timed in this run
   host %        1 - (device time of the same chunks run back to back) / (engine wall time): the host's share
 
-  .venv/bin/python experiments/bench/decode_throughput.py [--batches 1 8 32] [--prompt 64] [--new 64]
+  .venv/bin/python experiments/bench/decode_throughput.py [--batches 1 8 32] [--prompt 64] [--new 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -178,30 +178,36 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
             "host_fraction": max(0.0, 1.0 - device / wall), "device_s": device, "wall_s": wall}
 
 
-def bench_engine(model, prompts, new_tokens, chunk_steps):
+def engine_runner(model, prompts, new_tokens, chunk_steps):
+    """A function that times one greedy generation of `prompts` and one prefill-only pass (compiled here)."""
     graphdef, state = nnx.split(model)
     cfg = model.cfg
     batch = len(prompts)
     config = EngineConfig(slots=batch, max_len=len(prompts[0]) + new_tokens + chunk_steps, chunk_steps=chunk_steps)
     engine = InferenceEngine(cfg, graphdef, state, config=config)
     reqs = [Request(p, new_tokens, temperature=0.0) for p in prompts]
+    firsts = [Request(p, 1, temperature=0.0) for p in prompts]
     engine.generate(reqs)  # compile every shape used below
-    ids = [engine.submit(r) for r in reqs]
-    start = time.perf_counter()
-    while engine.has_work:  # the first step prefills the whole batch, then every step decodes one chunk
-        engine.step()
-    total = time.perf_counter() - start
-    results = [engine.pop_result(i) for i in ids]
-    assert all(len(r.token_ids) == new_tokens for r in results)
-    ttft_engine = InferenceEngine(cfg, graphdef, state, config=config)
-    ttft_engine.generate([Request(p, 1, temperature=0.0) for p in prompts])  # warm
-    t0 = time.perf_counter()
-    ttft_engine.generate([Request(p, 1, temperature=0.0) for p in prompts])
-    ttft = time.perf_counter() - t0
-    return {"tokens_per_s": batch * new_tokens / total, "ttft_s": ttft, "total_s": total}
+    engine.generate(firsts)
+
+    def run():
+        ids = [engine.submit(r) for r in reqs]
+        start = time.perf_counter()
+        while engine.has_work:  # the first step prefills the whole batch, then every step decodes one chunk
+            engine.step()
+        total = time.perf_counter() - start
+        results = [engine.pop_result(i) for i in ids]
+        assert all(len(r.token_ids) == new_tokens for r in results)
+        t0 = time.perf_counter()
+        engine.generate(firsts)
+        ttft = time.perf_counter() - t0
+        return {"tokens_per_s": batch * new_tokens / total, "ttft_s": ttft, "total_s": total}
+
+    return run
 
 
-def bench_hf(model, prompts, new_tokens):
+def hf_runner(model, prompts, new_tokens):
+    """The same for HF transformers' DeepseekV3ForCausalLM.generate on the converted weights."""
     import torch
     from transformers import DeepseekV3ForCausalLM
 
@@ -213,21 +219,48 @@ def bench_hf(model, prompts, new_tokens):
     ids = torch.tensor(np.asarray(prompts), dtype=torch.long)
     mask = torch.ones_like(ids)
 
-    def run(n):
+    def generate(n):
         with torch.inference_mode():
             return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=0, eos_token_id=None)
 
-    run(2)  # warm-up
-    t0 = time.perf_counter()
-    run(1)
-    ttft = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = run(new_tokens)
-    total = time.perf_counter() - t0
-    assert out.shape[1] == ids.shape[1] + new_tokens
-    return {"tokens_per_s": len(prompts) * new_tokens / total, "ttft_s": ttft, "total_s": total,
-            "torch_threads": torch.get_num_threads()}
+    generate(2)  # warm-up
+
+    def run():
+        t0 = time.perf_counter()
+        generate(1)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = generate(new_tokens)
+        total = time.perf_counter() - t0
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return {"tokens_per_s": len(prompts) * new_tokens / total, "ttft_s": ttft, "total_s": total,
+                "torch_threads": torch.get_num_threads()}
+
+    return run
+
+
+def _median_run(runs: list[dict]) -> dict:
+    out = {key: float(np.median([r[key] for r in runs])) for key in ("tokens_per_s", "ttft_s", "total_s")}
+    out["runs"] = runs
+    return out
+
+
+def paired(model, prompts, new_tokens, chunk_steps, repeats: int, skip_hf: bool):
+    """c2jax and HF alternated `repeats` times (this machine's speed drifts between runs; pairs share it):
+    medians of each, and the median of the per-pair ratios."""
+    ours_run = engine_runner(model, prompts, new_tokens, chunk_steps)
+    hf_run = None if skip_hf else hf_runner(model, prompts, new_tokens)
+    ours, hf = [], []
+    for _ in range(repeats):
+        ours.append(ours_run())
+        if hf_run is not None:
+            hf.append(hf_run())
+    if not hf:
+        return _median_run(ours), None, None, None
+    speedup = float(np.median([o["tokens_per_s"] / h["tokens_per_s"] for o, h in zip(ours, hf, strict=True)]))
+    ttft_ratio = float(np.median([o["ttft_s"] / h["ttft_s"] for o, h in zip(ours, hf, strict=True)]))
+    return _median_run(ours), _median_run(hf), speedup, ttft_ratio
 
 
 def main(argv=None) -> int:
@@ -238,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-steps", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="alternated c2jax / HF runs per batch size (medians)")
     ap.add_argument("--out", default="runs/bench/decode_throughput.json")
     args = ap.parse_args(argv)
     machine = describe()
@@ -250,20 +284,23 @@ def main(argv=None) -> int:
     peak = None if args.skip_roofline else gemm_peak()
     for batch in args.batches:
         prompts = rng.integers(1, cfg.vocab_size, size=(batch, args.prompt)).tolist()
-        ours = bench_engine(model, prompts, args.new, args.chunk_steps)
-        hf = None if args.skip_hf else bench_hf(model, prompts, args.new)
-        rows.append({"batch": batch, "c2jax": ours, "hf": hf,
-                     "speedup": None if hf is None else ours["tokens_per_s"] / hf["tokens_per_s"]})
-        print(f"batch {batch}: c2jax {ours}  hf {hf}", flush=True)
+        ours, hf, speedup, ttft_ratio = paired(model, prompts, args.new, args.chunk_steps, args.repeats, args.skip_hf)
+        rows.append({"batch": batch, "c2jax": ours, "hf": hf, "speedup": speedup, "ttft_ratio": ttft_ratio})
+        print(f"batch {batch}: c2jax {ours['tokens_per_s']:.1f} tok/s ttft {ours['ttft_s']:.3f} s; "
+              f"speedup {speedup} ttft ratio {ttft_ratio}", flush=True)
         if peak is not None:
             roofline.append(decode_roofline(model, prompts, args.new, args.chunk_steps, peak))
 
     print(f"\nsmall preset, prompt {args.prompt}, new {args.new}, fp32, {jax.devices()[0].platform}")
-    print(f"{'batch':>5} | {'c2jax tok/s':>11} {'ttft s':>8} | {'HF tok/s':>9} {'ttft s':>8} | {'speedup':>7}")
+    print(f"medians of {args.repeats} alternated runs; ratios are medians of the per-pair ratios")
+    print(f"{'batch':>5} | {'c2jax tok/s':>11} {'ttft s':>8} | {'HF tok/s':>9} {'ttft s':>8} | {'speedup':>7} "
+          f"{'ttft/HF':>7}")
+    nan = float("nan")
     for r in rows:
-        hf = r["hf"] or {"tokens_per_s": float("nan"), "ttft_s": float("nan")}
+        hf = r["hf"] or {"tokens_per_s": nan, "ttft_s": nan}
         print(f"{r['batch']:>5} | {r['c2jax']['tokens_per_s']:>11.1f} {r['c2jax']['ttft_s']:>8.3f} | "
-              f"{hf['tokens_per_s']:>9.1f} {hf['ttft_s']:>8.3f} | {(r['speedup'] or float('nan')):>7.2f}x")
+              f"{hf['tokens_per_s']:>9.1f} {hf['ttft_s']:>8.3f} | {(r['speedup'] or nan):>6.2f}x "
+              f"{(r['ttft_ratio'] or nan):>6.2f}x")
     if roofline:
         print(f"\ndecode roofline (steady state; fp32 GEMM peak measured {peak / 1e9:.0f} GFLOP/s)")
         print(f"{'batch':>5} | {'step ms':>7} {'MB/step':>8} {'GB/s':>6} {'roof GB/s':>9} {'MBU':>5} | "
@@ -280,6 +317,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new, "chunk_steps": args.chunk_steps,
+        "repeats": args.repeats,
         "machine": machine,
         "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded}, "rows": rows,
         "gemm_peak_gflop_s": None if peak is None else peak / 1e9, "roofline": roofline}, indent=2))
