@@ -155,7 +155,10 @@ def test_sampler_logprobs_equal_trainer_logprobs(model):
 def test_continuous_batching_equals_one_at_a_time(model):
     graphdef, state = model
     reqs = [Request(p, 6 + i, temperature=0.0) for i, p in enumerate(_prompts(5))]
-    batched = InferenceEngine(CFG, graphdef, state, config=ENGINE).generate(reqs)  # 5 requests, 2 slots
+    engine = InferenceEngine(CFG, graphdef, state, config=ENGINE)
+    batched = engine.generate(reqs)  # 5 requests, 2 slots
+    stats = engine.decode_stats  # every decode chunk timed: the device wait is part of the call's wall time
+    assert stats["chunks"] >= 3 and 0 < stats["device_wait_s"] <= stats["wall_s"]
     single = InferenceEngine(CFG, graphdef, state, config=ENGINE)
     for req, got in zip(reqs, batched, strict=True):
         want = single.generate([req])[0]

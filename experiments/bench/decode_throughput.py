@@ -17,7 +17,8 @@ Roofline, per batch size (steady-state decode: every slot live, no prefill in th
                 write: the faster of the two)
   MFU           useful FLOPs/step (projections, absorbed attention over the positions read, the chosen experts,
                 the head; no padding) / step time, over a jitted 2048^3 fp32 GEMM timed in this run
-  host %        1 - (device time of the same chunks run back to back) / (engine wall time): the host's share
+  host %        the engine's decode_stats: 1 - (time waiting for the device's chunk outputs) / (wall time of the
+                decode calls), i.e. building inputs, dispatch and recording tokens, while the device idles
 
   .venv/bin/python experiments/bench/decode_throughput.py [--batches 1 8 32] [--prompt 64] [--new 64] [--repeats 3]
 """
@@ -40,9 +41,7 @@ from flax import nnx  # noqa: E402
 from c2jax.machine import describe, finish, summary_line  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token  # noqa: E402
-from c2jax.models.inference.forward import init_cache, unstack  # noqa: E402
-from c2jax.models.inference.sampling import SamplingParams  # noqa: E402
-from c2jax.models.inference.steps import SlotState, decode_chunk  # noqa: E402
+from c2jax.models.inference.forward import unstack  # noqa: E402
 from c2jax.models.transformer import init  # noqa: E402
 
 
@@ -128,6 +127,7 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
     ids = [engine.submit(r) for r in reqs]
     engine.step()  # prefill and the first chunk, not timed
     chunks, key_lens = 0, []
+    before = dict(engine.decode_stats)
     t0 = time.perf_counter()
     while engine.has_work:
         # cache length before chunk c (c >= 1) is prompt + c * chunk_steps; the engine reads that + one chunk
@@ -139,29 +139,13 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
     results = [engine.pop_result(i) for i in ids]
     steps = chunks * chunk_steps
     step_s = wall / steps
-    # device time of the same chunks, back to back (no host work between them)
-    defs, weights = unstack(graphdef, state)
-    sampling = SamplingParams(jax.numpy.zeros(batch), jax.numpy.ones(batch), jax.numpy.zeros(batch, jax.numpy.int32),
-                              jax.numpy.zeros(batch, jax.numpy.uint32))
-    stop_ids = jax.numpy.full((batch, 4), -1, jax.numpy.int32)
-    cache = init_cache(cfg, batch, config.max_len)
-
-    def chunks_on_device():
-        nonlocal cache
-        for c, key_len in enumerate(key_lens):
-            slots = SlotState(jax.numpy.asarray([r.token_ids[0] for r in results], jax.numpy.int32),
-                              jax.numpy.full((batch,), prompt_len + (c + 1) * chunk_steps, jax.numpy.int32),
-                              jax.numpy.ones((batch,), bool), jax.numpy.full((batch,), 1 << 20, jax.numpy.int32))
-            cache, _, out = decode_chunk(cfg, defs, weights, cache, slots, stop_ids, sampling, steps=chunk_steps,
-                                         key_len=key_len, absorbed=True)
-        jax.block_until_ready(out.tokens)
-
-    device = _median_time(chunks_on_device, 3)
+    timed = {key: engine.decode_stats[key] - before[key] for key in before}
+    host_share = 1.0 - timed["device_wait_s"] / timed["wall_s"]
     # distinct routed experts per MoE layer and decode step (token j >= 1 of every result came from a decode step)
     experts = np.stack([r.expert_ids[1:] for r in results], axis=1)  # [steps, batch, L_moe, k]
     distinct = np.array([[len(np.unique(experts[j, :, layer])) for layer in range(experts.shape[2])]
                          for j in range(experts.shape[0])]).mean(axis=0)  # [L_moe]
-    fixed, per_expert = weight_bytes(weights)
+    fixed, per_expert = weight_bytes(unstack(graphdef, state)[1])  # what the engine reads: per layer, [V, d] head
     item = np.dtype(cfg.dtype).itemsize
     key_len = float(np.mean(key_lens))
     cache_read = cfg.num_hidden_layers * batch * key_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
@@ -175,7 +159,7 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
             "achieved_gb_s": step_bytes / step_s / 1e9, "bandwidth": bandwidth,
             "mbu": step_bytes / step_s / (bandwidth["roofline_gb_s"] * 1e9),
             "flops_per_step": flops, "achieved_gflop_s": flops / step_s / 1e9, "mfu": flops / step_s / peak_flops,
-            "host_fraction": max(0.0, 1.0 - device / wall), "device_s": device, "wall_s": wall}
+            "host_fraction": host_share, "wall_s": wall}
 
 
 def engine_runner(model, prompts, new_tokens, chunk_steps):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -148,6 +149,9 @@ class InferenceEngine:
         self.spec = init_spec_state(cfg, b) if self.speculative else None
         self.spec_stats = {"rounds": 0, "drafted": 0, "accepted": 0, "spec_chunks": 0, "plain_chunks": 0}
         self.prefill_stats = {"calls": 0, "tokens": 0, "forks": 0}  # forks: admissions that reused a prefill
+        # decode chunks: wall time of the host calls that ran them, and the part spent waiting for the device
+        # (wall - device_wait_s is the host's share: building inputs, dispatch, recording tokens)
+        self.decode_stats = {"chunks": 0, "wall_s": 0.0, "device_wait_s": 0.0}
 
     @classmethod
     def from_model(cls, model: nnx.Module, **kwargs) -> InferenceEngine:
@@ -404,19 +408,33 @@ class InferenceEngine:
         for slot, r in enumerate(requests):
             if r is not None and r.stop_token_ids:
                 stop_ids[slot, : len(r.stop_token_ids)] = r.stop_token_ids
+        started = time.perf_counter()
         steps = self.config.chunk_steps
         state = SlotState(self._pending.copy(), self._lengths.copy(), np.asarray(live), self._remaining.copy())
         if self.speculative:
             self._spec_chunk(state, stop_ids, requests, int(sum(live)))
+            self._count_chunk(started)
             return
         key_len = self._key_len(int(self._lengths[live].max()) + steps)
         self.cache, new_state, out = decode_chunk(
             self.cfg, self._defs, self._weights, self.cache, state, stop_ids,
             self._sampling(requests), steps=steps, key_len=key_len, absorbed=self.config.absorbed)
-        lengths, out = jax.device_get((new_state.lengths, out))  # one transfer, then host-side NumPy only
+        lengths, out = self._wait((new_state.lengths, out))
         self._lengths = np.array(lengths)
         self._record_chunk(out.tokens[..., None], out.logprobs[..., None], out.raw_logprobs[..., None],
                            None if out.expert_ids is None else out.expert_ids[:, :, None], out.valid[..., None])
+        self._count_chunk(started)
+
+    def _wait(self, outputs):
+        """The chunk's outputs on the host, in one transfer (then NumPy only); the wait is device time."""
+        t0 = time.perf_counter()
+        outputs = jax.device_get(outputs)
+        self.decode_stats["device_wait_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _count_chunk(self, started: float) -> None:
+        self.decode_stats["chunks"] += 1
+        self.decode_stats["wall_s"] += time.perf_counter() - started
 
     def _spec_chunk(self, state: SlotState, stop_ids: np.ndarray, requests, n_live: int) -> None:
         """One host call of speculative rounds, or (more live slots than speculative_max_batch) plain steps
@@ -429,7 +447,7 @@ class InferenceEngine:
             self.cfg, self._defs, self._weights, self.cache, self.mtp_cache, state, self.spec,
             stop_ids, self._sampling(requests), rounds=rounds, k=k, key_len=key_len,
             absorbed=cfg.absorbed)
-        lengths, out = jax.device_get((new_state.lengths, out))  # one transfer, then host-side NumPy only
+        lengths, out = self._wait((new_state.lengths, out))
         self._lengths = np.array(lengths)
         stats = self.spec_stats
         stats["spec_chunks" if k else "plain_chunks"] += 1
