@@ -165,7 +165,10 @@ class InferenceEngine:
         weights would sample from the same prefix; False keeps the old-weight cache (cheaper, slightly stale,
         as in PipelineRL's in-flight updates). A cached prompt prefix is recomputed either way."""
         self.state, self.version = state, version
-        self._defs, self._weights = unstack(self.graphdef, state)
+        defs, self._weights = unstack(self.graphdef, state)
+        # keep the static half's identity: the jitted steps' cache then matches it by `is`, not by comparing
+        # every graphdef on every call
+        self._defs = self._defs if defs == self._defs else defs
         if self._prefix is not None:
             self.set_prefix(self._prefix[0])
         if not recompute_cache:
