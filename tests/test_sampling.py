@@ -72,6 +72,10 @@ def test_sample_mixes_greedy_and_sampled_rows():
     assert out.tokens[0] == argmax[0] and out.tokens[2] == argmax[2]
     expected = np.asarray(jax.nn.log_softmax(logits))[np.arange(4), np.asarray(out.tokens)]
     np.testing.assert_allclose(np.asarray(out.logprobs), expected, rtol=1e-6)
+    # a sampled row draws: over 64 positions of flat-ish logits it does not always give the argmax
+    flat = jnp.broadcast_to(logits[1] * 0.1, (64, 50))
+    hot = SamplingParams(jnp.ones(64), jnp.ones(64), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.uint32))
+    assert len(set(np.asarray(jax.jit(sample)(flat, hot, jnp.arange(64)).tokens).tolist())) > 1
     # all greedy: the draw is skipped, tokens are the argmax
     greedy = params._replace(temperature=jnp.zeros(4))
     np.testing.assert_array_equal(np.asarray(jax.jit(sample)(logits, greedy, jnp.arange(4)).tokens), argmax)

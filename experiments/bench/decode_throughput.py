@@ -45,12 +45,14 @@ from c2jax.models.inference.forward import unstack  # noqa: E402
 from c2jax.models.transformer import init  # noqa: E402
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
+def timed(fn, *args, repeats: int) -> float:
+    """Median wall seconds of fn(*args), warmed first (as experiments/bench/moe_kernels.py's helper; not
+    imported from there so that this file also runs as a plain script)."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -61,10 +63,10 @@ def streaming_bandwidth(nbytes: int) -> dict:
     rows = max(1, nbytes // 4 // 1024)
     a = jax.numpy.ones((rows, 1024), jax.numpy.float32)
     read = jax.jit(lambda a: a.sum(0))
-    t_read = _median_time(lambda: read(a).block_until_ready(), 20)
+    t_read = timed(read, a, repeats=20)
     host = np.ones(rows * 1024, np.float32)
     dst = np.empty_like(host)
-    t_copy = _median_time(lambda: np.copyto(dst, host), 20)
+    t_copy = timed(np.copyto, dst, host, repeats=20)
     xla_read, numpy_copy = a.nbytes / t_read, 2 * host.nbytes / t_copy
     return {"bytes": int(a.nbytes), "xla_read_gb_s": xla_read / 1e9, "numpy_copy_gb_s": numpy_copy / 1e9,
             "roofline_gb_s": max(xla_read, numpy_copy) / 1e9}
@@ -75,7 +77,7 @@ def gemm_peak() -> float:
     n = 2048
     a = jax.numpy.ones((n, n), jax.numpy.float32)
     mm = jax.jit(lambda a: a @ a)
-    return 2 * n**3 / _median_time(lambda: mm(a).block_until_ready(), 10)
+    return 2 * n**3 / timed(mm, a, repeats=10)
 
 
 def decode_flops_per_token(cfg, key_len: int) -> float:
@@ -115,14 +117,19 @@ def weight_bytes(weights) -> tuple[int, list[int]]:
     return fixed, per_expert
 
 
+def greedy_engine(model, prompts, new_tokens, chunk_steps):
+    """An engine with one slot per prompt and room for new_tokens (+ one chunk), and its greedy requests."""
+    config = EngineConfig(slots=len(prompts), max_len=len(prompts[0]) + new_tokens + chunk_steps,
+                          chunk_steps=chunk_steps)
+    engine = InferenceEngine(model.cfg, *nnx.split(model), config=config)
+    return engine, [Request(p, new_tokens, temperature=0.0) for p in prompts]
+
+
 def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
     """Steady-state decode of len(prompts) slots: step time, bytes and FLOPs per step, MBU, MFU, host share."""
-    graphdef, state = nnx.split(model)
-    cfg = model.cfg
+    engine, reqs = greedy_engine(model, prompts, new_tokens, chunk_steps)
+    cfg, config = model.cfg, engine.config
     batch, prompt_len = len(prompts), len(prompts[0])
-    config = EngineConfig(slots=batch, max_len=prompt_len + new_tokens + chunk_steps, chunk_steps=chunk_steps)
-    engine = InferenceEngine(cfg, graphdef, state, config=config)
-    reqs = [Request(p, new_tokens, temperature=0.0) for p in prompts]
     engine.generate(reqs)  # compile
     ids = [engine.submit(r) for r in reqs]
     engine.step()  # prefill and the first chunk, not timed
@@ -139,13 +146,14 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
     results = [engine.pop_result(i) for i in ids]
     steps = chunks * chunk_steps
     step_s = wall / steps
-    timed = {key: engine.decode_stats[key] - before[key] for key in before}
-    host_share = 1.0 - timed["device_wait_s"] / timed["wall_s"]
+    spent = {key: engine.decode_stats[key] - before[key] for key in before}
+    host_share = 1.0 - spent["device_wait_s"] / spent["wall_s"]
     # distinct routed experts per MoE layer and decode step (token j >= 1 of every result came from a decode step)
     experts = np.stack([r.expert_ids[1:] for r in results], axis=1)  # [steps, batch, L_moe, k]
     distinct = np.array([[len(np.unique(experts[j, :, layer])) for layer in range(experts.shape[2])]
                          for j in range(experts.shape[0])]).mean(axis=0)  # [L_moe]
-    fixed, per_expert = weight_bytes(unstack(graphdef, state)[1])  # what the engine reads: per layer, [V, d] head
+    # what the engine reads: its per-layer weights and the [V, d] head
+    fixed, per_expert = weight_bytes(unstack(engine.graphdef, engine.state)[1])
     item = np.dtype(cfg.dtype).itemsize
     key_len = float(np.mean(key_lens))
     cache_read = cfg.num_hidden_layers * batch * key_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
@@ -164,12 +172,8 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
 
 def engine_runner(model, prompts, new_tokens, chunk_steps):
     """A function that times one greedy generation of `prompts` and one prefill-only pass (compiled here)."""
-    graphdef, state = nnx.split(model)
-    cfg = model.cfg
+    engine, reqs = greedy_engine(model, prompts, new_tokens, chunk_steps)
     batch = len(prompts)
-    config = EngineConfig(slots=batch, max_len=len(prompts[0]) + new_tokens + chunk_steps, chunk_steps=chunk_steps)
-    engine = InferenceEngine(cfg, graphdef, state, config=config)
-    reqs = [Request(p, new_tokens, temperature=0.0) for p in prompts]
     firsts = [Request(p, 1, temperature=0.0) for p in prompts]
     engine.generate(reqs)  # compile every shape used below
     engine.generate(firsts)

@@ -405,13 +405,13 @@ class InferenceEngine:
         live = [s is not None for s in self._slots]
         if not any(live):
             return
+        started = time.perf_counter()  # decode_stats: the chunk's host work starts here
         requests = self._slots_requests()
         width = _pow2_at_least(max((len(r.stop_token_ids) for r in requests if r), default=1), 4)
         stop_ids = np.full((self.config.slots, width), -1, np.int32)
         for slot, r in enumerate(requests):
             if r is not None and r.stop_token_ids:
                 stop_ids[slot, : len(r.stop_token_ids)] = r.stop_token_ids
-        started = time.perf_counter()
         steps = self.config.chunk_steps
         state = SlotState(self._pending.copy(), self._lengths.copy(), np.asarray(live), self._remaining.copy())
         if self.speculative:
