@@ -10,7 +10,9 @@ Spec:
     trainer's forward; the same samples must reject a nearby wrong distribution, so the test has power;
   * above `speculative_max_batch` live slots a chunk is plain decoding, and speculation resumes when slots free
     up, with the same greedy tokens;
-  * after a weight swap the drafts come from the new MTP weights, and nothing recompiles.
+  * after a weight swap the drafts come from the new MTP weights, and nothing recompiles;
+  * the adaptive engine (speculation chosen per chunk from measured tokens/s) switches between speculative and
+    plain chunks within one sequence and still emits plain greedy decoding's tokens, logprobs and expert ids.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from c2jax.models.inference.steps import SlotState
 from c2jax.models.transformer import forward, init
 
 CFG = preset("tiny")  # one MTP module
-ENGINE = EngineConfig(slots=2, max_len=64, chunk_steps=4, speculative_k=3, speculative_rounds=2)
+# speculation forced on (at most speculative_max_batch live slots): what these tests exercise is the rounds
+ENGINE = EngineConfig(slots=2, max_len=64, chunk_steps=4, speculative_k=3, speculative_rounds=2,
+                      speculative_adaptive=False)
 
 
 def _scaled(state, scale: dict[str, float]):
@@ -177,7 +181,8 @@ def test_speculation_turns_off_above_max_batch_and_resumes(model):
     state = bigram_draft(state, CFG, trunk=0.5, head=20.0)
     plain = InferenceEngine(CFG, graphdef, state, config=EngineConfig(slots=2, max_len=64, chunk_steps=4))
     spec = InferenceEngine(CFG, graphdef, state, config=EngineConfig(
-        slots=2, max_len=64, chunk_steps=4, speculative_k=3, speculative_rounds=2, speculative_max_batch=1))
+        slots=2, max_len=64, chunk_steps=4, speculative_k=3, speculative_rounds=2, speculative_max_batch=1,
+        speculative_adaptive=False))
     reqs = [Request([5, 6, 7, 8], 4, temperature=0.0), Request([9, 10, 11], 30, temperature=0.0)]
     want, got = plain.generate(reqs), spec.generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -194,6 +199,27 @@ def test_speculation_turns_off_above_max_batch_and_resumes(model):
     settled = len(seq) - 1
     for got_c, ref_c in zip(spec.mtp_cache[0], ref, strict=True):
         np.testing.assert_allclose(got_c[1, :settled], ref_c[0, :settled], rtol=1e-4, atol=1e-5)
+
+
+def test_adaptive_engine_switches_modes_and_matches_plain(model):
+    graphdef, state = model
+    state = bigram_draft(state, CFG, trunk=0.5, head=20.0)
+    plain = InferenceEngine(CFG, graphdef, state, config=EngineConfig(slots=2, max_len=64, chunk_steps=4))
+    # warm-up runs 2 timed chunks of each mode, then every 2nd chunk of a batch size runs the other mode: both
+    # kinds of chunk alternate inside each sequence, whichever mode this machine measures faster
+    spec = InferenceEngine(CFG, graphdef, state, config=EngineConfig(
+        slots=2, max_len=64, chunk_steps=4, speculative_k=3, speculative_rounds=2, speculative_reprobe_every=2))
+    reqs = [Request([5, 6, 7, 8], 40, temperature=0.0), Request([9, 10, 11], 44, temperature=0.0)]
+    want, got = plain.generate(reqs), spec.generate(reqs)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(b.expert_ids, a.expert_ids)
+    assert spec.spec_stats["plain_chunks"] >= 2 and spec.spec_stats["spec_chunks"] >= 2
+    report = spec.spec_policy.report()[2]  # two live slots most of the time
+    assert report["speculative_chunks_timed"] >= 2 and report["plain_chunks_timed"] >= 2
+    assert report["speculative_tokens_per_s"] > 0 and report["plain_tokens_per_s"] > 0
+    assert report["choice"] in ("speculative", "plain")
 
 
 @pytest.mark.parametrize("recompute", [True, False])

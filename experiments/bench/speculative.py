@@ -4,9 +4,12 @@ The `small` preset (one MTP module) is first trained by the pretraining step (`m
 self-distillation KL) for `--train-steps` steps on c2jax.train.synthetic.MarkovSource (every token has
 `--branching` equally likely successors), so the MTP head drafts what the main model would say. Prompts are
 documents of the same chain. For each batch size, temperature and k: an engine with `speculative_k = k`
-(speculation forced on at that batch) against the same engine with speculation off, same requests.
+(speculation forced on at that batch), the same engine with speculation off, and the adaptive engine (the
+default: it speculates only where it measured speculation faster, spec_policy.py), same requests.
   tokens/s      B * N / wall time of the generation, prefill included (compilation excluded: one warm-up
                 run per shape)
+  auto/best     the adaptive engine's tokens/s over the better of plain and forced speculation
+  auto spec%    share of the adaptive engine's chunks that speculated (its re-probes included)
   acceptance    drafts kept / drafts proposed
   tokens/round  tokens emitted per verify pass (1 + kept drafts, the bonus included)
   round/step    one speculative round (k draft steps + a (k+1)-token verify + the rule + MTP cache upkeep) over
@@ -90,42 +93,49 @@ def chain_prompts(source: MarkovSource, batch: int, length: int, seed: int) -> l
     return prompts
 
 
-def _engine_config(prompts, new_tokens, k, chunk_steps):
+def _engine_config(prompts, new_tokens, k, chunk_steps, adaptive=False):
     return EngineConfig(slots=len(prompts), max_len=len(prompts[0]) + new_tokens + 4 * chunk_steps,
                         chunk_steps=chunk_steps, speculative_k=k,
                         speculative_rounds=max(1, chunk_steps // (k + 1)) if k else 4,
-                        speculative_max_batch=len(prompts))
+                        speculative_max_batch=len(prompts), speculative_adaptive=adaptive)
 
 
-def _generate(graphdef, state, cfg, config, reqs):
-    engine = InferenceEngine(cfg, graphdef, state, config=config)
+def _generate(engine, reqs):
     ids = [engine.submit(r) for r in reqs]
+    before = dict(engine.spec_stats)
     t0 = time.perf_counter()
     while engine.has_work:  # the first step prefills the batch, then every step decodes one chunk
         engine.step()
     total = time.perf_counter() - t0
     results = [engine.pop_result(i) for i in ids]
-    stats = engine.spec_stats
+    stats = {key: engine.spec_stats[key] - before[key] for key in before}
+    chunks = stats["spec_chunks"] + stats["plain_chunks"]
     return {"tokens_per_s": sum(len(r.token_ids) for r in results) / total, "total_s": total,
-            "acceptance": engine.acceptance_rate,
+            "acceptance": stats["accepted"] / stats["drafted"] if stats["drafted"] else None,
             "tokens_per_round": (stats["accepted"] + stats["rounds"]) / stats["rounds"] if stats["rounds"] else None,
+            "spec_chunk_share": stats["spec_chunks"] / chunks if chunks else None,
             "tokens": [r.token_ids for r in results]}
 
 
 def compare(graphdef, state, cfg, prompts, new_tokens, temperature, k, chunk_steps, repeats):
-    """Plain and speculative generation of the same requests, alternated `repeats` times (the machine's load
-    drifts; alternating exposes both to it alike); the median run of each."""
+    """Plain, speculative (forced on) and adaptive generation (the engine's default: per chunk, the mode that
+    measured faster at this batch size) of the same requests, alternated `repeats` times (the machine's load
+    drifts; alternating exposes all to it alike); the median run of each. Each engine lives across the runs,
+    as a rollout server's does: the adaptive one keeps what it measured (its warm-up is in the first run)."""
     reqs = [Request(p, new_tokens, temperature=temperature, seed=i) for i, p in enumerate(prompts)]
-    configs = {"plain": _engine_config(prompts, new_tokens, 0, chunk_steps),
-               "spec": _engine_config(prompts, new_tokens, k, chunk_steps)}
-    for config in configs.values():
-        _generate(graphdef, state, cfg, config, reqs)  # compile every shape
-    runs = {name: [] for name in configs}
+    engines = {"plain": _engine_config(prompts, new_tokens, 0, chunk_steps),
+               "spec": _engine_config(prompts, new_tokens, k, chunk_steps),
+               "auto": _engine_config(prompts, new_tokens, k, chunk_steps, adaptive=True)}
+    engines = {name: InferenceEngine(cfg, graphdef, state, config=c) for name, c in engines.items()}
+    for engine in engines.values():
+        _generate(engine, reqs)  # compile every shape (and the adaptive engine's warm-up)
+    runs = {name: [] for name in engines}
     for _ in range(repeats):
-        for name, config in configs.items():
-            runs[name].append(_generate(graphdef, state, cfg, config, reqs))
+        for name, engine in engines.items():
+            runs[name].append(_generate(engine, reqs))
     med = {name: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for name, rs in runs.items()}
-    return med["plain"], med["spec"]
+    med["auto"]["report"] = engines["auto"].spec_policy.report()
+    return med["plain"], med["spec"], med["auto"]
 
 
 def round_costs(graphdef, state, cfg, batch: int, ks, length: int, rounds: int = 8, reps: int = 5) -> dict:
@@ -189,9 +199,9 @@ def main(argv=None) -> int:
         print(f"batch {batch}: {costs}", flush=True)
         for temperature in args.temperatures:
             for k in args.ks:
-                plain, spec = compare(graphdef, state, cfg, prompts, args.new, temperature, k, args.chunk_steps,
-                                      args.repeats)
-                same = spec["tokens"] == plain["tokens"] if temperature == 0 else None
+                plain, spec, auto = compare(graphdef, state, cfg, prompts, args.new, temperature, k,
+                                            args.chunk_steps, args.repeats)
+                same = spec["tokens"] == plain["tokens"] == auto["tokens"] if temperature == 0 else None
                 cost = {"plain_step_ms": costs["plain_step_ms"], "round_ms": costs[f"round_k{k}_ms"],
                         "round_over_plain_step": costs[f"round_k{k}_ms"] / costs["plain_step_ms"],
                         "draft_step_over_plain_step": (costs[f"round_k{k}_ms"] - costs["round_k0_ms"])
@@ -200,6 +210,9 @@ def main(argv=None) -> int:
                        "plain_tokens_per_s": plain["tokens_per_s"],
                        "spec_tokens_per_s": spec["tokens_per_s"],
                        "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+                       "auto_tokens_per_s": auto["tokens_per_s"],
+                       "auto_over_best": auto["tokens_per_s"] / max(plain["tokens_per_s"], spec["tokens_per_s"]),
+                       "auto_spec_chunk_share": auto["spec_chunk_share"], "auto_policy": auto["report"],
                        "acceptance": spec["acceptance"], "tokens_per_round": spec["tokens_per_round"],
                        "greedy_identical": same, **cost}
                 rows.append(row)
@@ -209,10 +222,12 @@ def main(argv=None) -> int:
           f"(train mtp_acceptance {train_metrics.get('mtp_acceptance', float('nan')):.3f}), "
           f"prompt {args.prompt}, new {args.new}")
     print(f"{'batch':>5} {'T':>4} {'k':>2} | {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} | "
+          f"{'auto tok/s':>10} {'auto/best':>9} {'auto spec%':>10} | "
           f"{'accept':>6} {'tok/round':>9} | {'round/step':>10} {'tok/round / (round/step)':>24}")
     for r in rows:
         print(f"{r['batch']:>5} {r['temperature']:>4.1f} {r['k']:>2} | {r['plain_tokens_per_s']:>11.1f} "
-              f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x | {r['acceptance']:>6.2f} "
+              f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x | {r['auto_tokens_per_s']:>10.1f} "
+              f"{r['auto_over_best']:>8.2f}x {100 * r['auto_spec_chunk_share']:>9.0f}% | {r['acceptance']:>6.2f} "
               f"{r['tokens_per_round']:>9.2f} | {r['round_over_plain_step']:>10.2f} "
               f"{r['tokens_per_round'] / r['round_over_plain_step']:>24.2f}")
     print(f"largest batch where some k paid: {max(pays) if pays else None}")

@@ -23,6 +23,7 @@ from flax import nnx
 from c2jax.models.config import ModelConfig
 from c2jax.models.inference.forward import init_cache, init_mtp_cache, unstack
 from c2jax.models.inference.sampling import SamplingParams, sample
+from c2jax.models.inference.spec_policy import SpeculationPolicy
 from c2jax.models.inference.speculative import (
     copy_mtp_row,
     fork_slot_spec,
@@ -53,6 +54,10 @@ class EngineConfig:
     # speculate only while at most this many slots are live; above it a chunk is plain decoding (the verify
     # pass costs ~k+1 tokens of compute per slot, which stops paying once decoding is compute-bound)
     speculative_max_batch: int = 4
+    # at or below speculative_max_batch, choose per chunk between speculative rounds and plain steps by the
+    # tokens/s each measured at the current batch size (spec_policy.py); False: always speculate there
+    speculative_adaptive: bool = True
+    speculative_reprobe_every: int = 16  # adaptive: every n-th chunk of a batch size tries the slower mode
     # prompt tokens prefilled per engine step, across requests (chunked prefill: a long prompt is prefilled in
     # pieces between decode chunks, so it does not stall the running sequences); 0 = every prompt whole
     prefill_budget: int = 0
@@ -61,6 +66,9 @@ class EngineConfig:
         for name in ("slots", "max_len", "chunk_steps", "key_bucket", "min_prompt_bucket", "speculative_rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.speculative_reprobe_every < 2:
+            raise ValueError(
+                f"EngineConfig.speculative_reprobe_every must be >= 2, got {self.speculative_reprobe_every}")
         for name in ("speculative_k", "speculative_max_batch", "prefill_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -148,6 +156,10 @@ class InferenceEngine:
         self.mtp_cache = init_mtp_cache(cfg, b, config.max_len) if self.speculative else None
         self.spec = init_spec_state(cfg, b) if self.speculative else None
         self.spec_stats = {"rounds": 0, "drafted": 0, "accepted": 0, "spec_chunks": 0, "plain_chunks": 0}
+        self.spec_policy = SpeculationPolicy(
+            config.speculative_k, config.speculative_max_batch, adaptive=config.speculative_adaptive,
+            reprobe_every=config.speculative_reprobe_every) if self.speculative else None
+        self._spec_shapes: set[tuple] = set()  # (k, rounds, key_len, stop width) of chunks already compiled
         self.prefill_stats = {"calls": 0, "tokens": 0, "forks": 0}  # forks: admissions that reused a prefill
         # decode chunks: wall time of the host calls that ran them, and the part spent waiting for the device
         # (wall - device_wait_s is the host's share: building inputs, dispatch, recording tokens)
@@ -440,17 +452,23 @@ class InferenceEngine:
         self.decode_stats["wall_s"] += time.perf_counter() - started
 
     def _spec_chunk(self, state: SlotState, stop_ids: np.ndarray, requests, n_live: int) -> None:
-        """One host call of speculative rounds, or (more live slots than speculative_max_batch) plain steps
-        that keep the MTP cache current (k = 0 rounds)."""
+        """One host call of speculative rounds, or plain steps that keep the MTP cache current (k = 0 rounds),
+        as `spec_policy` chooses for n_live live slots; the call's tokens/s goes back to the policy."""
         cfg = self.config
-        k = cfg.speculative_k if n_live <= cfg.speculative_max_batch else 0
+        k = self.spec_policy.choose(n_live)
         rounds = cfg.speculative_rounds if k else cfg.chunk_steps
         key_len = self._key_len(int(self._lengths[np.asarray(state.active)].max()) + rounds * (k + 1) + 1)
+        shape = (k, rounds, key_len, stop_ids.shape[1])
+        compiled, started = shape not in self._spec_shapes, time.perf_counter()
+        self._spec_shapes.add(shape)
         self.cache, self.mtp_cache, new_state, self.spec, out = spec_decode_chunk(
             self.cfg, self._defs, self._weights, self.cache, self.mtp_cache, state, self.spec,
             stop_ids, self._sampling(requests), rounds=rounds, k=k, key_len=key_len,
             absorbed=cfg.absorbed)
         lengths, out = self._wait((new_state.lengths, out))
+        o = out.out
+        self.spec_policy.observe(n_live, k, int(np.asarray(o.valid).sum()), time.perf_counter() - started,
+                                 compiled=compiled)
         self._lengths = np.array(lengths)
         stats = self.spec_stats
         stats["spec_chunks" if k else "plain_chunks"] += 1
@@ -459,7 +477,6 @@ class InferenceEngine:
             stats["rounds"] += int((drafted > 0).sum())
             stats["drafted"] += int(drafted.sum())
             stats["accepted"] += int(np.asarray(out.accepted).sum())
-        o = out.out
         self._record_chunk(o.tokens, o.logprobs, o.raw_logprobs, o.expert_ids, o.valid)
 
     def _record_chunk(self, tokens, logprobs, raw, experts, valid) -> None:

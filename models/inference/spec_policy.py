@@ -1,0 +1,93 @@
+"""When to speculate: a per-batch-size choice between MTP speculative rounds and plain decode steps, made from
+the emitted tokens per second each mode measured on this engine.
+
+Whether speculation pays depends on the device, the model's shape, the live batch and the draft's acceptance,
+which drifts as RL changes the weights; a fixed threshold measured once is wrong somewhere (docs/inference.md:
+on a 2-core CPU at `small` a round costs more than its tokens save even at batch 1). So the engine measures
+both modes as it runs, separately for each batch-size bucket (live slots rounded up to a power of two):
+
+  warm-up   the first `warmup` timed chunks of a bucket speculate, the next `warmup` run plain
+  exploit   then each chunk runs the mode with the higher smoothed rate (an exponential moving average of
+            tokens / second per chunk, `smoothing` the weight of the newest chunk)
+  re-probe  every `reprobe_every`-th chunk of a bucket runs the other mode once, so a mode that became faster
+            (acceptance rose after a weight swap, the context grew) is noticed; the cost is at most
+            1 / reprobe_every of the chunks run in the slower mode
+
+A chunk whose call compiled a new shape is not timed (compilation is not the mode's speed). Above
+`max_batch` live slots a chunk never speculates. Token streams do not depend on the choice: a plain chunk in a
+speculative engine keeps the MTP cache current, and both modes sample the main model's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Bucket:
+    spec_rate: float | None = None  # smoothed tokens/s of speculative chunks
+    plain_rate: float | None = None
+    spec_timed: int = 0  # chunks timed in each mode
+    plain_timed: int = 0
+    chunks: int = 0  # chunks chosen for this bucket (timed or not)
+
+
+class SpeculationPolicy:
+    def __init__(self, k: int, max_batch: int, *, adaptive: bool = True, warmup: int = 2, reprobe_every: int = 16,
+                 smoothing: float = 0.3):
+        if k <= 0:
+            raise ValueError(f"SpeculationPolicy needs k >= 1 drafts, got {k}")
+        if warmup < 1 or reprobe_every < 2:
+            raise ValueError(f"warmup must be >= 1 and reprobe_every >= 2, got {warmup}, {reprobe_every}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.k, self.max_batch, self.adaptive = k, max_batch, adaptive
+        self.warmup, self.reprobe_every, self.smoothing = warmup, reprobe_every, smoothing
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket(n_live: int) -> int:
+        """Live slots rounded up to a power of two: rates are compared within a bucket."""
+        return 1 << max(0, n_live - 1).bit_length()
+
+    def choose(self, n_live: int) -> int:
+        """Drafts per round for the next chunk: `k`, or 0 for plain decode steps."""
+        if n_live > self.max_batch:
+            return 0
+        if not self.adaptive:
+            return self.k
+        b = self._buckets.setdefault(self.bucket(n_live), _Bucket())
+        b.chunks += 1
+        if b.spec_timed < self.warmup:
+            return self.k
+        if b.plain_timed < self.warmup:
+            return 0
+        spec_better = b.spec_rate >= b.plain_rate
+        if b.chunks % self.reprobe_every == 0:
+            spec_better = not spec_better
+        return self.k if spec_better else 0
+
+    def observe(self, n_live: int, k: int, tokens: int, seconds: float, *, compiled: bool = False) -> None:
+        """Record a chunk run with `k` drafts (0: plain) at `n_live` live slots: `tokens` emitted in `seconds`
+        (dispatch to outputs on the host). Compiling chunks and chunks above max_batch are not timed."""
+        if not self.adaptive or compiled or n_live > self.max_batch or seconds <= 0:
+            return
+        b = self._buckets.setdefault(self.bucket(n_live), _Bucket())
+        rate = tokens / seconds
+        if k:
+            b.spec_rate = rate if b.spec_rate is None else (1 - self.smoothing) * b.spec_rate + self.smoothing * rate
+            b.spec_timed += 1
+        else:
+            b.plain_rate = rate if b.plain_rate is None else (1 - self.smoothing) * b.plain_rate + self.smoothing * rate
+            b.plain_timed += 1
+
+    def report(self) -> dict[int, dict]:
+        """Per batch-size bucket: the smoothed tokens/s of each mode, chunks timed, and the current choice."""
+        out = {}
+        for size, b in sorted(self._buckets.items()):
+            warm = b.spec_timed >= self.warmup and b.plain_timed >= self.warmup
+            choice = "warm-up" if not warm else ("speculative" if b.spec_rate >= b.plain_rate else "plain")
+            out[size] = {"speculative_tokens_per_s": b.spec_rate, "plain_tokens_per_s": b.plain_rate,
+                         "speculative_chunks_timed": b.spec_timed, "plain_chunks_timed": b.plain_timed,
+                         "choice": choice}
+        return out
