@@ -904,7 +904,8 @@ def _speculative_engines(cfg, prompts, new, chunk, k=2):
     base = dict(slots=len(prompts), max_len=len(prompts[0]) + new + 2 * chunk + k + 1, chunk_steps=chunk)
     plain = _engine_rates(cfg, graphdef, state, prompts, new, EngineConfig(**base))
     spec = _engine_rates(cfg, graphdef, state, prompts, new, EngineConfig(
-        **base, speculative_k=k, speculative_rounds=4, speculative_max_batch=len(prompts)))
+        **base, speculative_k=k, speculative_rounds=4, speculative_max_batch=len(prompts),
+        speculative_adaptive=False))  # forced on: this measures speculation itself
     return plain, spec
 
 
@@ -999,7 +1000,7 @@ def section_sampler(ctx: Context) -> None:
         if not isinstance(plain, dict):
             raise Skip("needs the batch-1 plain decoding figure of this section, which did not run")
         config = EngineConfig(slots=1, max_len=max_len, chunk_steps=chunk, speculative_k=spec_k,
-                              speculative_rounds=4, speculative_max_batch=1)
+                              speculative_rounds=4, speculative_max_batch=1, speculative_adaptive=False)
         spec = _engine_rates(cfg, graphdef, state, prompts1, new, config)
         if cfg.dtype == "float32":  # exact arithmetic up to rounding: greedy speculation is plain greedy
             ctx.check("sampler MTP speculative greedy == plain greedy (fp32)", spec[3] == outputs[1],
