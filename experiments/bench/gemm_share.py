@@ -1,0 +1,166 @@
+"""How much of decoding is matrix multiplication: c2jax's InferenceEngine vs HF transformers `generate`, same
+weights, same requests (decode_throughput.py's setup: `small`, random weights, batch B of P-token prompts, N new
+tokens, greedy).
+
+Per batch size, alternated `--repeats` times (medians):
+  wall_s         one time-to-first-token generation plus one full generation, not profiled
+  gemm_s         time inside matrix-multiplication kernels during the same two generations run under a profiler
+                   c2jax: jax.profiler events of XLA ops whose compiled HLO op comes from a dot_general
+                          (the op names are read from the HLO that XLA dumps while this script runs)
+                   HF:    torch.profiler self time of aten::mm, addmm, bmm, baddbmm, _grouped_mm
+  gemm_share     gemm_s / wall_s
+  speed-up       HF wall / c2jax wall
+  bound          HF wall / c2jax gemm_s: c2jax's speed-up over HF if everything but its GEMMs took no time
+XLA runs ops on two threads at once, so op times can sum to more than the wall time; a bound above the
+measured speed-up is the room left outside the GEMMs, a bound below a target means the target needs faster
+GEMM kernels, not a better sampler. Each batch size runs in its own process (HLO op names repeat between
+compilations of one function). Writes runs/bench/gemm_share.json.
+
+  .venv/bin/python experiments/bench/gemm_share.py [--batches 8 32] [--prompt 64] [--new 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+
+
+def _dot_ops(dump_dir: str) -> dict[tuple[str, str], bool]:
+    """(module name, op name) -> whether the op is (or fuses) a dot_general, from XLA's optimized HLO dumps."""
+    kinds: dict[tuple[str, str], bool] = {}
+    for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+        module = Path(path).name.split(".")[1]
+        for line in open(path):
+            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
+            if m:
+                key = (module, m.group(1))
+                is_dot = "dot_general" in m.group(2)
+                if kinds.get(key, is_dot) != is_dot:
+                    raise RuntimeError(f"op {key} is a dot in one compilation and not in another")
+                kinds[key] = is_dot
+    return kinds
+
+
+def _c2jax_profiled(run, dump_dir: str) -> dict:
+    import jax
+
+    trace_dir = tempfile.mkdtemp()
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    run()
+    wall = time.perf_counter() - t0
+    jax.profiler.stop_trace()
+    trace = sorted(glob.glob(trace_dir + "/**/*.json.gz", recursive=True))[-1]
+    kinds = _dot_ops(dump_dir)
+    times = collections.Counter()
+    for e in json.load(gzip.open(trace))["traceEvents"]:
+        args = e.get("args", {})
+        if e.get("ph") == "X" and "hlo_op" in args and not e["name"].startswith("end:"):
+            kind = kinds.get((args["hlo_module"], args["hlo_op"]))
+            times["gemm" if kind else "other" if kind is not None else "unmapped"] += e["dur"] / 1e6
+    return {"profiled_wall_s": wall, "gemm_s": times["gemm"], "other_op_s": times["other"],
+            "unmapped_op_s": times["unmapped"]}
+
+
+def _hf_profiled(run) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6
+    return {"profiled_wall_s": wall, "gemm_s": gemm}
+
+
+def one_batch(batch: int, prompt: int, new: int, repeats: int, dump_dir: str) -> dict:
+    import numpy as np
+
+    from c2jax.models.config import preset
+    from c2jax.models.transformer import init
+    from experiments.bench.decode_throughput import engine_runner, hf_runner
+
+    cfg = preset("small").replace(num_nextn_predict_layers=0)
+    model = init(cfg, seed=0)
+    prompts = np.random.default_rng(batch).integers(1, cfg.vocab_size, size=(batch, prompt)).tolist()
+    ours, theirs = engine_runner(model, prompts, new, 8), hf_runner(model, prompts, new)
+    ours(), theirs()  # compile / warm up
+    def wall(run):
+        t0 = time.perf_counter()
+        run()
+        return time.perf_counter() - t0
+
+    runs = {"c2jax": [], "hf": []}
+    for _ in range(repeats):  # the profilers slow the runs (torch's by ~50% here): walls come from plain runs
+        runs["c2jax"].append({**_c2jax_profiled(ours, dump_dir), "wall_s": wall(ours)})
+        runs["hf"].append({**_hf_profiled(theirs), "wall_s": wall(theirs)})
+    med = {name: {key: float(np.median([r[key] for r in rs])) for key in rs[0]} for name, rs in runs.items()}
+    for m in med.values():
+        m["gemm_share"] = m["gemm_s"] / m["wall_s"]
+    return {"batch": batch, **med, "speedup": med["hf"]["wall_s"] / med["c2jax"]["wall_s"],
+            "bound": med["hf"]["wall_s"] / med["c2jax"]["gemm_s"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--one-batch", type=int, help=argparse.SUPPRESS)  # internal: this process runs one batch
+    ap.add_argument("--out", default="runs/bench/gemm_share.json")
+    args = ap.parse_args(argv)
+    if args.one_batch is not None:
+        row = one_batch(args.one_batch, args.prompt, args.new, args.repeats, os.environ["C2JAX_GEMM_SHARE_DUMP"])
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
+    from c2jax.machine import describe, finish, summary_line
+
+    machine = describe()
+    rows = []
+    for batch in args.batches:
+        with tempfile.TemporaryDirectory() as dump:
+            env = {**os.environ, "JAX_PLATFORMS": "cpu", "C2JAX_GEMM_SHARE_DUMP": dump,
+                   "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+                                 " --xla_dump_hlo_module_re=.*(decode_chunk|prefill_slot).*").strip()}
+            out = subprocess.run([sys.executable, "-m", "experiments.bench.gemm_share", "--one-batch", str(batch),
+                                  "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats)],
+                                 env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        lines = [line for line in out.stdout.splitlines() if line.startswith("ROW ")]
+        if out.returncode or not lines:
+            raise RuntimeError(f"batch {batch} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][4:]))
+        print(rows[-1], flush=True)
+    print(f"\nsmall preset, fp32, prompt {args.prompt}, new {args.new}; one TTFT generation + one full generation, "
+          f"profiled, median of {args.repeats} alternated runs")
+    print(f"{'batch':>5} | {'c2jax wall':>10} {'GEMM s':>7} {'share':>6} | {'HF wall':>8} {'GEMM s':>7} {'share':>6} | "
+          f"{'speed-up':>8} {'bound':>6}")
+    for r in rows:
+        c, h = r["c2jax"], r["hf"]
+        print(f"{r['batch']:>5} | {c['wall_s']:>10.3f} {c['gemm_s']:>7.3f} {c['gemm_share']:>6.0%} | "
+              f"{h['wall_s']:>8.3f} {h['gemm_s']:>7.3f} {h['gemm_share']:>6.0%} | {r['speedup']:>7.2f}x "
+              f"{r['bound']:>5.2f}x")
+    machine = finish(machine)
+    print(f"machine: {summary_line(machine)}")
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new,
+                                "machine": machine, "rows": rows}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
