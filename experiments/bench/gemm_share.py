@@ -5,16 +5,16 @@ tokens, greedy).
 Per batch size, alternated `--repeats` times (medians):
   wall_s         one time-to-first-token generation plus one full generation, not profiled
   gemm_s         time inside matrix-multiplication kernels during the same two generations run under a profiler
-                   c2jax: jax.profiler events of XLA ops whose compiled HLO op comes from a dot_general
-                          (the op names are read from the HLO that XLA dumps while this script runs)
+                   c2jax: jax.profiler events of XLA ops that are, or fuse, a dot (read from the optimized HLO
+                          that XLA dumps while this script runs), as the union of their intervals: two GEMMs
+                          on the two threads at once count once
                    HF:    torch.profiler self time of aten::mm, addmm, bmm, baddbmm, _grouped_mm
   gemm_share     gemm_s / wall_s
   speed-up       HF wall / c2jax wall
   bound          HF wall / c2jax gemm_s: c2jax's speed-up over HF if everything but its GEMMs took no time
-XLA runs ops on two threads at once, so op times can sum to more than the wall time; a bound above the
-measured speed-up is the room left outside the GEMMs, a bound below a target means the target needs faster
-GEMM kernels, not a better sampler. Each batch size runs in its own process (HLO op names repeat between
-compilations of one function). Writes runs/bench/gemm_share.json.
+A bound above the measured speed-up is the room left outside c2jax's GEMMs; a bound below a target means the
+target needs faster GEMM kernels, not a better sampler. Each batch size runs in its own process (HLO op names
+repeat between compilations of one function). Writes runs/bench/gemm_share.json.
 
   .venv/bin/python experiments/bench/gemm_share.py [--batches 8 32] [--prompt 64] [--new 64] [--repeats 3]
 """
@@ -37,20 +37,65 @@ from pathlib import Path
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
 
 
+def _hlo_gemm_ops(text: str) -> dict[str, bool]:
+    """Instruction name -> whether it is a matrix multiplication, for one optimized HLO module: a dot or
+    convolution, or a fusion whose computation holds one or a reduce named after a dot_general."""
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        header = re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            bodies[current] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            bodies[current].append(line)
+
+    def is_gemm_line(line: str) -> bool:
+        # a dot, or the multiply + reduce XLA makes of a matrix-vector dot (it keeps the jax op name); a copy
+        # or transpose of a dot's output also carries that name, and is not a GEMM
+        return bool(re.search(r" (dot|convolution)\(", line)
+                    or (re.search(r" reduce\(", line) and "dot_general" in line))
+
+    kinds = {}
+    for lines in bodies.values():
+        for line in lines:
+            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?\s([a-z][\w\-]*)\(", line)
+            if not m:
+                continue
+            name, op = m.groups()
+            if op in ("while", "conditional", "call"):
+                kinds[name] = False  # control flow: its body's ops are profiled on their own
+                continue
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            inner = bodies.get(called.group(1), []) if called and op == "fusion" else []
+            kinds[name] = is_gemm_line(line) or any(is_gemm_line(x) for x in inner)
+    return kinds
+
+
 def _dot_ops(dump_dir: str) -> dict[tuple[str, str], bool]:
-    """(module name, op name) -> whether the op is (or fuses) a dot_general, from XLA's optimized HLO dumps."""
+    """(module name, op name) -> whether the op is a matrix multiplication, from XLA's optimized HLO dumps."""
     kinds: dict[tuple[str, str], bool] = {}
     for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
         module = Path(path).name.split(".")[1]
-        for line in open(path):
-            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
-            if m:
-                key = (module, m.group(1))
-                is_dot = "dot_general" in m.group(2)
-                if kinds.get(key, is_dot) != is_dot:
-                    raise RuntimeError(f"op {key} is a dot in one compilation and not in another")
-                kinds[key] = is_dot
+        for name, is_gemm in _hlo_gemm_ops(Path(path).read_text()).items():
+            key = (module, name)
+            if kinds.get(key, is_gemm) != is_gemm:
+                raise RuntimeError(f"op {key} is a GEMM in one compilation and not in another")
+            kinds[key] = is_gemm
     return kinds
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start, end) intervals in microseconds: ops on both threads at once count
+    once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
 
 
 def _c2jax_profiled(run, dump_dir: str) -> dict:
@@ -64,14 +109,15 @@ def _c2jax_profiled(run, dump_dir: str) -> dict:
     jax.profiler.stop_trace()
     trace = sorted(glob.glob(trace_dir + "/**/*.json.gz", recursive=True))[-1]
     kinds = _dot_ops(dump_dir)
-    times = collections.Counter()
+    spans = collections.defaultdict(list)
     for e in json.load(gzip.open(trace))["traceEvents"]:
         args = e.get("args", {})
         if e.get("ph") == "X" and "hlo_op" in args and not e["name"].startswith("end:"):
             kind = kinds.get((args["hlo_module"], args["hlo_op"]))
-            times["gemm" if kind else "other" if kind is not None else "unmapped"] += e["dur"] / 1e6
-    return {"profiled_wall_s": wall, "gemm_s": times["gemm"], "other_op_s": times["other"],
-            "unmapped_op_s": times["unmapped"]}
+            spans["gemm" if kind else "other" if kind is not None else "unmapped"].append(
+                (e["ts"], e["ts"] + e["dur"]))
+    return {"profiled_wall_s": wall, "gemm_s": _union_s(spans["gemm"]), "other_op_s": _union_s(spans["other"]),
+            "unmapped_op_s": _union_s(spans["unmapped"])}
 
 
 def _hf_profiled(run) -> dict:
