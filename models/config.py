@@ -129,6 +129,11 @@ class ModelConfig:
     # they were most of a training step's temporaries (docs/attention.md). 4096 keeps the common
     # T <= 4096 shapes on the single-dispatch path.
     moe_chunk_tokens: int = 4096
+    # moe_impl="sorted": the overflow bucket (C = T, taken when an expert gets more than the largest factor x its
+    # share) runs one expert at a time when its [E, T, 2f] buffer would exceed this many bytes, and as one batched
+    # einsum otherwise. Looping bounds a training step's memory; at decode sizes (T = 16 at `small`) the loop
+    # cost ~2x the einsum. 0: always loop.
+    moe_overflow_loop_bytes: int = 32 << 20
     # the fused LM head + cross-entropy computes logits for at most this many tokens at a time and
     # recomputes them in its backward (0: never chunk; None: auto, [chunk, V] fp32 logits <= 256 MiB,
     # so T x V above that is chunked and below it runs in one pass that keeps its logits)
@@ -212,6 +217,9 @@ class ModelConfig:
             object.__setattr__(self, name, dtype_name(getattr(self, name), field=name))
         if not self.moe_capacity_factors or any(f <= 0 for f in self.moe_capacity_factors):
             raise ConfigError(f"moe_capacity_factors must be positive, got {self.moe_capacity_factors}")
+        loop_bytes = self.moe_overflow_loop_bytes
+        if isinstance(loop_bytes, bool) or not isinstance(loop_bytes, int) or loop_bytes < 0:
+            raise ConfigError(f"moe_overflow_loop_bytes must be a non-negative integer, got {loop_bytes!r}")
         for name in ("moe_chunk_tokens", "loss_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

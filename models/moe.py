@@ -270,8 +270,10 @@ def _experts_bwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan, 
 # The last capacity bucket (C = T, which no load can overflow) is the rare path, taken only when an expert
 # gets more than the largest factor x its balanced share. As one batched einsum its [E, T, .] buffers were
 # the largest of a whole training step (E x the buffers of any other bucket; XLA sizes temporaries for the
-# worst branch), so it runs one expert at a time instead: E GEMMs over that expert's window of the sorted
-# assignments, written back to assignment order by scatter. Same math per row, 1/E of the memory.
+# worst branch), so where they exceed `moe_overflow_loop_bytes` it runs one expert at a time instead: E GEMMs
+# over that expert's window of the sorted assignments, written back to assignment order by scatter. Same
+# math per row, 1/E of the memory. Small buffers keep the einsum: at decode sizes (T = 16 tokens, where the
+# 8-row buckets make the overflow bucket common) the loop took 2-3x as long.
 
 
 def _expert_window(plan: _Plan, expert, num_tokens: int):
@@ -327,16 +329,16 @@ def _experts_bwd_looped(discard, recipe, x, weights, gate_up, down, plan, gu_a, 
     return dh_a.reshape(num_tokens, k, d).sum(1), dweights, dgate_up, ddown
 
 
-def _fwd_branches(buckets, discard, recipe):
+def _fwd_branches(buckets, discard, recipe, loop):
     branches = [partial(_experts_fwd_at, cap, discard, recipe) for cap in buckets]
-    if len(buckets) > 1:  # the overflow bucket (C = T): one expert at a time
+    if loop:  # the overflow bucket (C = T): one expert at a time
         branches[-1] = partial(_experts_fwd_looped, discard, recipe)
     return branches
 
 
-def _bwd_branches(buckets, discard, recipe):
+def _bwd_branches(buckets, discard, recipe, loop):
     branches = [partial(_experts_bwd_at, cap, discard, recipe) for cap in buckets]
-    if len(buckets) > 1:
+    if loop:
         branches[-1] = partial(_experts_bwd_looped, discard, recipe)
     return branches
 
@@ -346,24 +348,24 @@ def _bucket_index(buckets, counts, num_experts):
     return jnp.minimum(index, len(buckets) - 1)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _sorted_experts(buckets, discard, recipe, x, weights, gate_up, down, expert_ids):
-    return _sorted_experts_fwd(buckets, discard, recipe, x, weights, gate_up, down, expert_ids)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _sorted_experts(buckets, discard, recipe, loop, x, weights, gate_up, down, expert_ids):
+    return _sorted_experts_fwd(buckets, discard, recipe, loop, x, weights, gate_up, down, expert_ids)[0]
 
 
-def _sorted_experts_fwd(buckets, discard, recipe, x, weights, gate_up, down, expert_ids):
+def _sorted_experts_fwd(buckets, discard, recipe, loop, x, weights, gate_up, down, expert_ids):
     num_experts = gate_up.shape[0]
     plan = _plan(expert_ids, num_experts, discard)
     y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts, num_experts),
-                                    _fwd_branches(buckets, discard, recipe),
+                                    _fwd_branches(buckets, discard, recipe, loop),
                                     x, weights, gate_up, down, plan)
     return y, (x, weights, gate_up, down, plan, gu_a, out_a)
 
 
-def _sorted_experts_bwd(buckets, discard, recipe, res, dy):
+def _sorted_experts_bwd(buckets, discard, recipe, loop, res, dy):
     x, weights, gate_up, down, plan, gu_a, out_a = res
     grads = jax.lax.switch(_bucket_index(buckets, plan.counts, gate_up.shape[0]),
-                           _bwd_branches(buckets, discard, recipe),
+                           _bwd_branches(buckets, discard, recipe, loop),
                            x, weights, gate_up, down, plan, gu_a, out_a, dy.astype(x.dtype))
     return (*grads, None)
 
@@ -389,8 +391,14 @@ def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_
     weights, gate_up, down = routing.weights.astype(x.dtype), gate_up.astype(x.dtype), down.astype(x.dtype)
     num_tokens, d = x.shape
     chunk = cfg.moe_chunk_tokens
+
+    def loop(buckets):  # the overflow bucket one expert at a time: only where its buffer is large (config)
+        return len(buckets) > 1 and num_local * buckets[-1] * gate_up.shape[2] * x.dtype.itemsize \
+            > cfg.moe_overflow_loop_bytes
+
     if not chunk or num_tokens <= chunk:
-        return _sorted_experts(capacity_buckets(cfg, num_tokens), discard, recipe, x, weights, gate_up, down, ids)
+        buckets = capacity_buckets(cfg, num_tokens)
+        return _sorted_experts(buckets, discard, recipe, loop(buckets), x, weights, gate_up, down, ids)
     num_chunks = -(-num_tokens // chunk)
     size = -(-num_tokens // num_chunks)
     pad = num_chunks * size - num_tokens
@@ -403,7 +411,7 @@ def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_
 
     def one_chunk(carry, chunk_in):
         xc, wc, ic = chunk_in
-        return carry, _sorted_experts(buckets, discard, recipe, xc, wc, gate_up, down, ic)
+        return carry, _sorted_experts(buckets, discard, recipe, loop(buckets), xc, wc, gate_up, down, ic)
 
     chunks = (x.reshape(num_chunks, size, d), weights.reshape(num_chunks, size, -1),
               ids.reshape(num_chunks, size, -1))

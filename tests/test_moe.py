@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from c2jax.models.config import preset
+from c2jax.models.config import ConfigError, preset
 from c2jax.models.moe import MoE, capacity_buckets, route
 
 TINY = preset("tiny")
@@ -78,18 +78,26 @@ def assert_same(result, reference, tol=1e-5):
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
 def test_overflow_bucket_run_one_expert_at_a_time_equals_the_batched_bucket(recipe):
-    """The last bucket (C = T) runs expert by expert when smaller buckets exist; with a single bucket it is one
-    batched einsum. Same rows, same GEMM operands: the two agree, quantized recipes included."""
+    """The last bucket (C = T) runs expert by expert when smaller buckets exist and its buffer exceeds
+    moe_overflow_loop_bytes (0 here: always); with a single bucket, or a small buffer, it is one batched einsum.
+    Same rows, same GEMM operands: the three agree, quantized recipes included."""
     cfg = TINY.replace(n_group=1, topk_group=1, moe_quant=recipe)
     graphdef, state = make(cfg)
     x = inputs(cfg, 2, 16)
     replay = jnp.broadcast_to(jnp.arange(cfg.num_experts_per_tok, dtype=jnp.int32) * 3,
                               (2, 16, cfg.num_experts_per_tok))  # experts 0 and 3 take every token
-    looped = cfg.replace(moe_capacity_factors=(1.25,))
+    looped = cfg.replace(moe_capacity_factors=(1.25,), moe_overflow_loop_bytes=0)
+    small_buffer = cfg.replace(moe_capacity_factors=(1.25,))  # [E, 32, 2f] fp32 is far below the default
     batched = cfg.replace(moe_capacity_factors=(100.0,))
     assert len(capacity_buckets(looped, 32)) == 2 and capacity_buckets(batched, 32) == (32,)
-    assert_same(value_and_grads(looped, graphdef, state, x, replay),
-                value_and_grads(batched, graphdef, state, x, replay), 1e-6)
+    reference = value_and_grads(batched, graphdef, state, x, replay)
+    assert_same(value_and_grads(looped, graphdef, state, x, replay), reference, 1e-6)
+    assert_same(value_and_grads(small_buffer, graphdef, state, x, replay), reference, 1e-6)
+
+
+def test_overflow_loop_setting_is_validated():
+    with pytest.raises(ConfigError, match="moe_overflow_loop_bytes"):
+        TINY.replace(moe_overflow_loop_bytes=-1)
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["routed", "overflowing"])
