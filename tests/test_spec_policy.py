@@ -3,9 +3,11 @@
 Spec:
   * never above max_batch live slots; always at or below it when not adaptive;
   * adaptive, per batch-size bucket (live slots rounded up to a power of two): `warmup` timed speculative
-    chunks, then `warmup` timed plain chunks, then the mode with the higher smoothed tokens/s, except every
-    `reprobe_every`-th chunk of the bucket, which runs the other mode;
+    chunks, then `warmup` timed plain chunks, then the mode with the higher smoothed tokens/s, except one chunk
+    of the other mode `reprobe_every` chunks into that phase, with the interval doubling (up to
+    `max_reprobe_every`) while probes confirm the choice and starting over when it flips;
   * a mode whose measured rate falls below the other's loses the choice; chunks that compiled are not timed;
+  * new weights forget the speculative rate only: speculation is re-measured, plain is not;
   * buckets are independent; bad settings are refused with the setting's name.
 """
 
@@ -34,12 +36,12 @@ def test_never_speculates_above_max_batch_and_always_when_not_adaptive():
     assert adaptive.report() == {}  # nothing above max_batch is measured
 
 
-def test_warmup_then_faster_mode_with_periodic_reprobe():
-    policy = SpeculationPolicy(2, max_batch=8, warmup=2, reprobe_every=5)
-    choices = _run(policy, 1, {"spec": 50, "plain": 80}, 20)
+def test_warmup_then_faster_mode_with_backed_off_reprobes():
+    policy = SpeculationPolicy(2, max_batch=8, warmup=2, reprobe_every=5, max_reprobe_every=20)
+    choices = _run(policy, 1, {"spec": 50, "plain": 80}, 70)
     assert choices[:4] == [2, 2, 0, 0]  # warm-up: speculative first, then plain
-    # plain is faster: plain everywhere except chunk numbers 5, 10, 15, 20 (1-based), which re-probe speculation
-    assert [i + 1 for i, k in enumerate(choices) if k and i >= 4] == [5, 10, 15, 20]
+    # plain is faster; exploiting from chunk 5 (1-based), speculation is re-probed 5, 10, 20, 20, ... chunks on
+    assert [i + 1 for i, k in enumerate(choices) if k and i >= 4] == [10, 20, 40, 60]
     report = policy.report()[1]
     assert report["choice"] == "plain"
     assert report["plain_tokens_per_s"] == 80 and report["speculative_tokens_per_s"] == 50
@@ -48,11 +50,22 @@ def test_warmup_then_faster_mode_with_periodic_reprobe():
 def test_choice_follows_the_measured_rates():
     policy = SpeculationPolicy(3, max_batch=4, warmup=1, reprobe_every=4, smoothing=0.5)
     choices = _run(policy, 2, {"spec": 120, "plain": 100}, 8)
-    assert choices[:2] == [3, 0] and choices[2] == 3 and choices[3] == 0  # chunk 4 re-probes plain
-    # speculation gets slower (e.g. acceptance fell after a weight swap): its average falls below plain's
+    assert choices[:2] == [3, 0] and choices[2:] == [3, 3, 3, 3, 0, 3]  # chunk 3 exploits, chunk 7 re-probes
+    # speculation gets slower (the context grew): its average falls below plain's and plain takes over
     choices = _run(policy, 2, {"spec": 40, "plain": 100}, 8)
-    assert choices[-4:-1] == [0, 0, 0]
+    assert choices[0] == 3 and choices[1:4] == [0, 0, 0]
     assert policy.report()[2]["choice"] == "plain"
+
+
+def test_new_weights_re_measure_speculation_only():
+    policy = SpeculationPolicy(3, max_batch=4, warmup=2, reprobe_every=100)
+    _run(policy, 1, {"spec": 50, "plain": 100}, 10)
+    assert policy.choose(1) == 0
+    policy.weights_changed()  # e.g. an RL step: the new MTP head drafts better
+    choices = _run(policy, 1, {"spec": 300, "plain": 100}, 5)
+    assert choices == [3, 3, 3, 3, 3]  # two speculative warm-up chunks, no plain warm-up, then speculation wins
+    report = policy.report()[1]
+    assert report["speculative_tokens_per_s"] == 300 and report["plain_chunks_timed"] == 8
 
 
 def test_compiling_chunks_are_not_timed():
@@ -73,7 +86,8 @@ def test_batch_sizes_are_measured_separately():
 
 
 @pytest.mark.parametrize("kwargs,name", [({"k": 0}, "k"), ({"warmup": 0}, "warmup"),
-                                         ({"reprobe_every": 1}, "reprobe_every"), ({"smoothing": 0.0}, "smoothing")])
+                                         ({"reprobe_every": 1}, "reprobe_every"), ({"smoothing": 0.0}, "smoothing"),
+                                         ({"max_reprobe_every": 8}, "max_reprobe_every")])
 def test_bad_settings_are_refused(kwargs, name):
     args = {"k": 2, "max_batch": 4, **kwargs}
     with pytest.raises(ValueError, match=name):

@@ -57,7 +57,8 @@ class EngineConfig:
     # at or below speculative_max_batch, choose per chunk between speculative rounds and plain steps by the
     # tokens/s each measured at the current batch size (spec_policy.py); False: always speculate there
     speculative_adaptive: bool = True
-    speculative_reprobe_every: int = 16  # adaptive: every n-th chunk of a batch size tries the slower mode
+    # adaptive: chunks of a batch size between tries of the slower mode (doubling up to 256 while it stays slower)
+    speculative_reprobe_every: int = 16
     # prompt tokens prefilled per engine step, across requests (chunked prefill: a long prompt is prefilled in
     # pieces between decode chunks, so it does not stall the running sequences); 0 = every prompt whole
     prefill_budget: int = 0
@@ -181,6 +182,8 @@ class InferenceEngine:
         # keep the static half's identity: the jitted steps' cache then matches it by `is`, not by comparing
         # every graphdef on every call
         self._defs = self._defs if defs == self._defs else defs
+        if self.spec_policy is not None:  # the drafts' acceptance changes with the weights: re-measure it
+            self.spec_policy.weights_changed()
         if self._prefix is not None:
             self.set_prefix(self._prefix[0])
         if not recompute_cache:

@@ -9,9 +9,12 @@ both modes as it runs, separately for each batch-size bucket (live slots rounded
   warm-up   the first `warmup` timed chunks of a bucket speculate, the next `warmup` run plain
   exploit   then each chunk runs the mode with the higher smoothed rate (an exponential moving average of
             tokens / second per chunk, `smoothing` the weight of the newest chunk)
-  re-probe  every `reprobe_every`-th chunk of a bucket runs the other mode once, so a mode that became faster
-            (acceptance rose after a weight swap, the context grew) is noticed; the cost is at most
-            1 / reprobe_every of the chunks run in the slower mode
+  re-probe  `reprobe_every` chunks into the exploit phase the other mode runs once, so a mode that became
+            faster (the context grew, the batch's prompts changed) is noticed; while probes keep confirming the
+            choice the interval doubles, up to `max_reprobe_every` chunks (steady-state cost: one chunk in that
+            many in the slower mode), and it starts over when the choice flips
+  new weights  `weights_changed()` forgets the speculative rate (the acceptance depends on the weights; a plain
+            step's speed does not), so the next chunks of every bucket re-measure speculation
 
 A chunk whose call compiled a new shape is not timed (compilation is not the mode's speed). Above
 `max_batch` live slots a chunk never speculates. Token streams do not depend on the choice: a plain chunk in a
@@ -30,19 +33,25 @@ class _Bucket:
     spec_timed: int = 0  # chunks timed in each mode
     plain_timed: int = 0
     chunks: int = 0  # chunks chosen for this bucket (timed or not)
+    favourite: bool | None = None  # the mode the last exploiting chunk chose (True: speculative)
+    interval: int = 0  # chunks between re-probes (doubles while probes confirm the favourite)
+    next_probe: int = 0  # chunk number of the next re-probe
 
 
 class SpeculationPolicy:
     def __init__(self, k: int, max_batch: int, *, adaptive: bool = True, warmup: int = 2, reprobe_every: int = 16,
-                 smoothing: float = 0.3):
+                 max_reprobe_every: int = 256, smoothing: float = 0.3):
         if k <= 0:
             raise ValueError(f"SpeculationPolicy needs k >= 1 drafts, got {k}")
         if warmup < 1 or reprobe_every < 2:
             raise ValueError(f"warmup must be >= 1 and reprobe_every >= 2, got {warmup}, {reprobe_every}")
+        if max_reprobe_every < reprobe_every:
+            raise ValueError(f"max_reprobe_every ({max_reprobe_every}) must be >= reprobe_every ({reprobe_every})")
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.k, self.max_batch, self.adaptive = k, max_batch, adaptive
         self.warmup, self.reprobe_every, self.smoothing = warmup, reprobe_every, smoothing
+        self.max_reprobe_every = max_reprobe_every
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -62,10 +71,21 @@ class SpeculationPolicy:
             return self.k
         if b.plain_timed < self.warmup:
             return 0
-        spec_better = b.spec_rate >= b.plain_rate
-        if b.chunks % self.reprobe_every == 0:
-            spec_better = not spec_better
-        return self.k if spec_better else 0
+        favourite = b.spec_rate >= b.plain_rate
+        if favourite != b.favourite:  # first exploiting chunk, or the choice flipped: probe again soon
+            b.favourite, b.interval = favourite, self.reprobe_every
+            b.next_probe = b.chunks + b.interval
+        elif b.chunks >= b.next_probe:  # re-probe the other mode once; back off while it keeps losing
+            b.interval = min(2 * b.interval, self.max_reprobe_every)
+            b.next_probe = b.chunks + b.interval
+            favourite = not favourite
+        return self.k if favourite else 0
+
+    def weights_changed(self) -> None:
+        """New weights: forget every bucket's speculative rate (the drafts' acceptance changed), so speculation is
+        re-measured (`warmup` timed chunks) before the next choice; the plain rate is kept."""
+        for b in self._buckets.values():
+            b.spec_rate, b.spec_timed, b.favourite = None, 0, None
 
     def observe(self, n_live: int, k: int, tokens: int, seconds: float, *, compiled: bool = False) -> None:
         """Record a chunk run with `k` drafts (0: plain) at `n_live` live slots: `tokens` emitted in `seconds`
