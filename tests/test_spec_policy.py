@@ -3,7 +3,8 @@
 Spec:
   * never above max_batch live slots; always at or below it when not adaptive;
   * adaptive, per batch-size bucket (live slots rounded up to a power of two): `warmup` timed speculative
-    chunks, then `warmup` timed plain chunks, then the mode with the higher smoothed tokens/s, except one chunk
+    chunks, then `warmup` timed plain chunks, then the mode with the higher tokens/s (median of its last `window`
+    timed chunks, so one stalled chunk does not flip the choice), except one chunk
     of the other mode `reprobe_every` chunks into that phase, with the interval doubling (up to
     `max_reprobe_every`) while probes confirm the choice and starting over when it flips;
   * a mode whose measured rate falls below the other's loses the choice; chunks that compiled are not timed;
@@ -48,13 +49,22 @@ def test_warmup_then_faster_mode_with_backed_off_reprobes():
 
 
 def test_choice_follows_the_measured_rates():
-    policy = SpeculationPolicy(3, max_batch=4, warmup=1, reprobe_every=4, smoothing=0.5)
+    policy = SpeculationPolicy(3, max_batch=4, warmup=1, reprobe_every=4, window=3)
     choices = _run(policy, 2, {"spec": 120, "plain": 100}, 8)
     assert choices[:2] == [3, 0] and choices[2:] == [3, 3, 3, 3, 0, 3]  # chunk 3 exploits, chunk 7 re-probes
-    # speculation gets slower (the context grew): its average falls below plain's and plain takes over
+    # speculation gets slower (the context grew): once most of its last 3 chunks are slow, plain takes over
     choices = _run(policy, 2, {"spec": 40, "plain": 100}, 8)
-    assert choices[0] == 3 and choices[1:4] == [0, 0, 0]
+    assert choices[:2] == [3, 3] and choices[2:5] == [0, 0, 0]
     assert policy.report()[2]["choice"] == "plain"
+
+
+def test_one_stalled_chunk_does_not_flip_the_choice():
+    policy = SpeculationPolicy(3, max_batch=4, warmup=2, reprobe_every=100, window=5)
+    _run(policy, 1, {"spec": 80, "plain": 100}, 8)
+    assert policy.choose(1) == 0
+    policy.observe(1, 0, 10, 1.0)  # a plain chunk that stalled (a pause, a neighbour's burst): 10 tokens/s
+    assert [policy.choose(1) for _ in range(3)] == [0, 0, 0]
+    assert policy.report()[1]["plain_tokens_per_s"] == 100
 
 
 def test_new_weights_re_measure_speculation_only():
@@ -86,7 +96,7 @@ def test_batch_sizes_are_measured_separately():
 
 
 @pytest.mark.parametrize("kwargs,name", [({"k": 0}, "k"), ({"warmup": 0}, "warmup"),
-                                         ({"reprobe_every": 1}, "reprobe_every"), ({"smoothing": 0.0}, "smoothing"),
+                                         ({"reprobe_every": 1}, "reprobe_every"), ({"window": 0}, "window"),
                                          ({"max_reprobe_every": 8}, "max_reprobe_every")])
 def test_bad_settings_are_refused(kwargs, name):
     args = {"k": 2, "max_batch": 4, **kwargs}

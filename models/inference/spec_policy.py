@@ -7,8 +7,9 @@ on a 2-core CPU at `small` a round costs more than its tokens save even at batch
 both modes as it runs, separately for each batch-size bucket (live slots rounded up to a power of two):
 
   warm-up   the first `warmup` timed chunks of a bucket speculate, the next `warmup` run plain
-  exploit   then each chunk runs the mode with the higher smoothed rate (an exponential moving average of
-            tokens / second per chunk, `smoothing` the weight of the newest chunk)
+  exploit   then each chunk runs the mode with the higher rate: the median tokens / second of its last
+            `window` timed chunks (a median, so one stalled chunk, a GC pause or a neighbour's burst on a shared
+            machine, does not flip the choice)
   re-probe  `reprobe_every` chunks into the exploit phase the other mode runs once, so a mode that became
             faster (the context grew, the batch's prompts changed) is noticed; while probes keep confirming the
             choice the interval doubles, up to `max_reprobe_every` chunks (steady-state cost: one chunk in that
@@ -23,13 +24,15 @@ speculative engine keeps the MTP cache current, and both modes sample the main m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass
 class _Bucket:
-    spec_rate: float | None = None  # smoothed tokens/s of speculative chunks
-    plain_rate: float | None = None
+    spec_rates: deque = field(default_factory=deque)  # tokens/s of the last `window` timed speculative chunks
+    plain_rates: deque = field(default_factory=deque)
     spec_timed: int = 0  # chunks timed in each mode
     plain_timed: int = 0
     chunks: int = 0  # chunks chosen for this bucket (timed or not)
@@ -40,17 +43,17 @@ class _Bucket:
 
 class SpeculationPolicy:
     def __init__(self, k: int, max_batch: int, *, adaptive: bool = True, warmup: int = 2, reprobe_every: int = 16,
-                 max_reprobe_every: int = 256, smoothing: float = 0.3):
+                 max_reprobe_every: int = 256, window: int = 5):
         if k <= 0:
             raise ValueError(f"SpeculationPolicy needs k >= 1 drafts, got {k}")
         if warmup < 1 or reprobe_every < 2:
             raise ValueError(f"warmup must be >= 1 and reprobe_every >= 2, got {warmup}, {reprobe_every}")
         if max_reprobe_every < reprobe_every:
             raise ValueError(f"max_reprobe_every ({max_reprobe_every}) must be >= reprobe_every ({reprobe_every})")
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.k, self.max_batch, self.adaptive = k, max_batch, adaptive
-        self.warmup, self.reprobe_every, self.smoothing = warmup, reprobe_every, smoothing
+        self.warmup, self.reprobe_every, self.window = warmup, reprobe_every, window
         self.max_reprobe_every = max_reprobe_every
         self._buckets: dict[int, _Bucket] = {}
 
@@ -71,7 +74,7 @@ class SpeculationPolicy:
             return self.k
         if b.plain_timed < self.warmup:
             return 0
-        favourite = b.spec_rate >= b.plain_rate
+        favourite = self._rate(b.spec_rates) >= self._rate(b.plain_rates)
         if favourite != b.favourite:  # first exploiting chunk, or the choice flipped: probe again soon
             b.favourite, b.interval = favourite, self.reprobe_every
             b.next_probe = b.chunks + b.interval
@@ -85,7 +88,8 @@ class SpeculationPolicy:
         """New weights: forget every bucket's speculative rate (the drafts' acceptance changed), so speculation is
         re-measured (`warmup` timed chunks) before the next choice; the plain rate is kept."""
         for b in self._buckets.values():
-            b.spec_rate, b.spec_timed, b.favourite = None, 0, None
+            b.spec_rates.clear()
+            b.spec_timed, b.favourite = 0, None
 
     def observe(self, n_live: int, k: int, tokens: int, seconds: float, *, compiled: bool = False) -> None:
         """Record a chunk run with `k` drafts (0: plain) at `n_live` live slots: `tokens` emitted in `seconds`
@@ -93,21 +97,27 @@ class SpeculationPolicy:
         if not self.adaptive or compiled or n_live > self.max_batch or seconds <= 0:
             return
         b = self._buckets.setdefault(self.bucket(n_live), _Bucket())
-        rate = tokens / seconds
+        rates = b.spec_rates if k else b.plain_rates
+        rates.append(tokens / seconds)
+        if len(rates) > self.window:
+            rates.popleft()
         if k:
-            b.spec_rate = rate if b.spec_rate is None else (1 - self.smoothing) * b.spec_rate + self.smoothing * rate
             b.spec_timed += 1
         else:
-            b.plain_rate = rate if b.plain_rate is None else (1 - self.smoothing) * b.plain_rate + self.smoothing * rate
             b.plain_timed += 1
 
+    @staticmethod
+    def _rate(rates) -> float | None:
+        return statistics.median(rates) if rates else None
+
     def report(self) -> dict[int, dict]:
-        """Per batch-size bucket: the smoothed tokens/s of each mode, chunks timed, and the current choice."""
+        """Per batch-size bucket: each mode's rate (median of its recent chunks), chunks timed, the current choice."""
         out = {}
         for size, b in sorted(self._buckets.items()):
+            spec, plain = self._rate(b.spec_rates), self._rate(b.plain_rates)
             warm = b.spec_timed >= self.warmup and b.plain_timed >= self.warmup
-            choice = "warm-up" if not warm else ("speculative" if b.spec_rate >= b.plain_rate else "plain")
-            out[size] = {"speculative_tokens_per_s": b.spec_rate, "plain_tokens_per_s": b.plain_rate,
+            choice = "warm-up" if not warm else ("speculative" if spec >= plain else "plain")
+            out[size] = {"speculative_tokens_per_s": spec, "plain_tokens_per_s": plain,
                          "speculative_chunks_timed": b.spec_timed, "plain_chunks_timed": b.plain_timed,
                          "choice": choice}
         return out
