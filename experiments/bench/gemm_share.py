@@ -99,19 +99,21 @@ def _union_s(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def _c2jax_profiled(run, dump_dir: str) -> dict:
+def _c2jax_profiled(run, kinds: dict[tuple[str, str], bool]) -> dict:
+    """Wall and GEMM time of run() under jax.profiler; `kinds` from _dot_ops (ops of modules compiled later
+    than it was read count as unmapped)."""
     import jax
 
-    trace_dir = tempfile.mkdtemp()
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    t0 = time.perf_counter()
-    run()
-    wall = time.perf_counter() - t0
-    jax.profiler.stop_trace()
-    trace = sorted(glob.glob(trace_dir + "/**/*.json.gz", recursive=True))[-1]
-    kinds = _dot_ops(dump_dir)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        trace = sorted(glob.glob(trace_dir + "/**/*.json.gz", recursive=True))[-1]
+        events = json.load(gzip.open(trace))["traceEvents"]
     spans = collections.defaultdict(list)
-    for e in json.load(gzip.open(trace))["traceEvents"]:
+    for e in events:
         args = e.get("args", {})
         if e.get("ph") == "X" and "hlo_op" in args and not e["name"].startswith("end:"):
             kind = kinds.get((args["hlo_module"], args["hlo_op"]))
@@ -144,6 +146,7 @@ def one_batch(batch: int, prompt: int, new: int, repeats: int, dump_dir: str) ->
     prompts = np.random.default_rng(batch).integers(1, cfg.vocab_size, size=(batch, prompt)).tolist()
     ours, theirs = engine_runner(model, prompts, new, 8), hf_runner(model, prompts, new)
     ours(), theirs()  # compile / warm up
+    kinds = _dot_ops(dump_dir)  # every module is compiled (and dumped) by now
     def wall(run):
         t0 = time.perf_counter()
         run()
@@ -151,7 +154,7 @@ def one_batch(batch: int, prompt: int, new: int, repeats: int, dump_dir: str) ->
 
     runs = {"c2jax": [], "hf": []}
     for _ in range(repeats):  # the profilers slow the runs (torch's by ~50% here): walls come from plain runs
-        runs["c2jax"].append({**_c2jax_profiled(ours, dump_dir), "wall_s": wall(ours)})
+        runs["c2jax"].append({**_c2jax_profiled(ours, kinds), "wall_s": wall(ours)})
         runs["hf"].append({**_hf_profiled(theirs), "wall_s": wall(theirs)})
     med = {name: {key: float(np.median([r[key] for r in rs])) for key in rs[0]} for name, rs in runs.items()}
     for m in med.values():
