@@ -430,7 +430,9 @@ def test_learner_on_a_mesh_takes_the_single_device_step(tmp_path):
     assert {d for x in leaves for d in x.sharding.device_set} == set(jax.devices()[:4])
     assert any(not x.sharding.is_fully_replicated for x in leaves)
     m1, m2 = single.train(batch), sharded.train(batch)
-    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5)
+    # the group-centred advantages make the on-policy loss ~0 (float-order noise of either sign): compare it
+    # absolutely; the update itself is compared below
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-6)
     w1, w2 = single.weights(), sharded.weights()
     for k in w1:
         np.testing.assert_allclose(w2[k], w1[k], rtol=1e-4, atol=1e-6, err_msg=k)
