@@ -4,6 +4,7 @@ imports executed), the build backend's mapping of the folders, and coexistence w
 
 import ast
 import importlib
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -147,10 +148,16 @@ def test_the_folders_are_namespace_packages_under_c2jax():
 
 def test_a_built_wheel_holds_only_c2jax_and_imports_outside_the_checkout(tmp_path):
     """The wheel a user installs: every file under `c2jax/`, the folders inside it, importable from
-    elsewhere, ahead of the checkout's editable install."""
+    elsewhere, ahead of the checkout's editable install. Built from a copy: setuptools writes build/ into
+    the source tree."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", source)
+    for folder in ("c2jax", *SUBPACKAGE_FOLDERS.values()):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=600,
-                           cwd=tmp_path)
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True,
+                           timeout=600, cwd=tmp_path)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("c2jax-*.whl")
     with zipfile.ZipFile(wheel) as archive:
