@@ -1,8 +1,12 @@
 """The one config system: typed frozen dataclasses, YAML files and dotted `a.b=value` overrides.
 
-A run is described by a `RunConfig`. `load_config` builds one from a preset name or a YAML file plus
-overrides; every field is type-checked on the way in, and any error names its dotted path, so a typo
-in a 40-field model config points at the line to fix.
+Every config class of the project (`RunConfig` here, `PretrainConfig`, `RLSystemConfig`, `EvalConfig`,
+`SuiteConfig`, `DataConfig`, ...) is read by one loader, `load(cls, source, overrides)`: a YAML file, a
+mapping or nothing, then dotted overrides, then `model: {preset: NAME}` sections, then the typed
+`from_dict`; `save(cfg, directory)` writes the resolved `directory/config.yaml` a run keeps next to its
+logs. Every field is type-checked on the way in and every error is a `ConfigError` naming its dotted
+path (an unknown key with the closest valid one, a wrong value with the expected type), so a typo in a
+40-field model config points at the line to fix.
 """
 
 from __future__ import annotations
@@ -281,18 +285,30 @@ def dump_yaml(obj: Any, path: str | os.PathLike) -> Path:
 
 # Overrides, presets, loading ------------------------------------------------------------------------
 
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of `data` with each `a.b.c=value` set; `value` is YAML (`null`, `[1.5, 2]`, ...)."""
+Override = str | tuple[str, Any]
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[Override]) -> dict[str, Any]:
+    """Return a copy of `data` with each override set: `a.b.c=value`, whose `value` is YAML (`null`,
+    `[1.5, 2]`, ...), or a pair `("a.b.c", value)` from code, whose value is taken as it is."""
+    if isinstance(overrides, (str, bytes)):
+        raise ConfigError(f"overrides: expected a sequence of dotted.key=value, got the string {overrides!r}")
     data = copy.deepcopy(dict(data))
     for override in overrides:
-        key, sep, text = override.partition("=")
-        parts = key.strip().split(".")
-        if not sep or not all(parts):
-            raise ConfigError(f"override {override!r}: expected dotted.key=value")
-        try:
-            value = parse_yaml(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from None
+        if isinstance(override, tuple):
+            key, value = override
+            parts = key.strip().split(".")
+            if not all(parts):
+                raise ConfigError(f"override {override!r}: expected a dotted.key")
+        else:
+            key, sep, text = override.partition("=")
+            parts = key.strip().split(".")
+            if not sep or not all(parts):
+                raise ConfigError(f"override {override!r}: expected dotted.key=value")
+            try:
+                value = parse_yaml(text)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from None
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -316,7 +332,10 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _resolve_presets(data: dict[str, Any]) -> dict[str, Any]:
+def resolve_presets(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` with a `model: {preset: NAME, ...}` section replaced by that preset's fields, the section's
+    other keys applied on top (a nested section such as `rope_scaling` refines the preset's)."""
+    data = dict(data)
     model = data.get("model")
     if not isinstance(model, Mapping) or "preset" not in model:
         return data
@@ -331,24 +350,48 @@ def _resolve_presets(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "model": _merge(base, rest)}
 
 
-def load_config(source: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
-    """`source` is a model preset name (see `c2jax.models.config.PRESETS`) or a YAML file of a RunConfig.
+def _takes_preset(cls: type) -> bool:
+    """Whether `cls` has a top-level `model: ModelConfig` section, so a preset name can stand for it."""
+    return typing.get_type_hints(cls).get("model") is ModelConfig
 
-    In YAML, `model: {preset: NAME, ...}` starts from that preset and applies the other keys on top.
-    Overrides apply after the file, so `model.preset=tiny` on the command line switches the preset.
+
+def _source_data(cls: type, source: Any) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"{cls.__name__}: a config source is a YAML path, a mapping or None, got {source!r}")
+    if _takes_preset(cls) and isinstance(source, str) and source in PRESETS:
+        return {"model": {"preset": source}}
+    if Path(source).is_file():
+        return load_yaml(source)
+    if not _takes_preset(cls):
+        raise ConfigError(f"{source}: no such {cls.__name__} YAML file")
+    close = difflib.get_close_matches(str(source), PRESETS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise ConfigError(f"{source}: neither a model preset ({', '.join(PRESETS)}) nor a YAML file{hint}")
+
+
+def load(cls: type[T], source: str | os.PathLike | Mapping[str, Any] | None = None,
+         overrides: Sequence[Override] = (), *, presets: bool = True, path: str = "") -> T:
+    """The config `cls` from `source`, then `overrides` (see `apply_overrides`), type-checked by `from_dict`.
+
+    `source` is a YAML file, a mapping (e.g. a section of another config) or None (the defaults); for a
+    config with a `model` section (`RunConfig`, `PretrainConfig`, `RLSystemConfig`) also a model preset
+    name (see `c2jax.models.config.PRESETS`). With `presets`, `model: {preset: NAME, ...}` starts from that
+    preset and applies the other keys on top; overrides apply first, so `model.preset=tiny` on the command
+    line switches the preset. `path` prefixes every error, for a config that is a section of another.
     """
-    if isinstance(source, str) and source in PRESETS:
-        data: dict[str, Any] = {"model": {"preset": source}}
-    elif Path(source).is_file():
-        data = load_yaml(source)
-    else:
-        raise ConfigError(f"{source}: neither a model preset ({', '.join(PRESETS)}) nor a YAML file")
-    data = _resolve_presets(apply_overrides(data, overrides))
-    return from_dict(RunConfig, data)
+    data = apply_overrides(_source_data(cls, source), overrides)
+    if presets:
+        data = resolve_presets(data)
+    return from_dict(cls, data, path)
 
 
-def save_resolved(cfg: RunConfig, directory: str | os.PathLike) -> Path:
-    """Write the fully resolved config as `directory/config.yaml`, next to the run's logs."""
+def save(cfg: Any, directory: str | os.PathLike) -> Path:
+    """Write the fully resolved config `cfg` as `directory/config.yaml` (made if missing), next to the run's
+    logs; `load(type(cfg), that_path)` reads it back equal."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     return dump_yaml(cfg, directory / "config.yaml")
@@ -386,12 +429,12 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    cfg = load_config(resolve_source(args), args.overrides)
+    cfg = load(RunConfig, resolve_source(args), args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
 
 
 __all__ = [
-    "ConfigError", "MeshConfig", "RunConfig", "apply_overrides", "dump_yaml", "from_dict", "load_config",
-    "load_yaml", "parse_yaml", "save_resolved", "to_dict",
+    "ConfigError", "DistributedConfig", "MeshConfig", "Override", "RunConfig", "apply_overrides", "dump_yaml",
+    "from_dict", "load", "load_yaml", "parse_yaml", "resolve_presets", "save", "to_dict",
 ]

@@ -387,21 +387,21 @@ def load_plan_source(source: str, overrides=()) -> PlanSource:
     import dataclasses
     from pathlib import Path
 
-    from c2jax.config import RunConfig, _resolve_presets, apply_overrides, from_dict, load_config, load_yaml
+    from c2jax.config import RunConfig, load, load_yaml
 
     if not Path(source).is_file():
-        cfg = load_config(source, overrides)
+        cfg = load(RunConfig, source, overrides)
         return PlanSource(cfg.model, cfg.mesh, (("", None, None),))
     data = load_yaml(source)
     if "phases" in data:
-        from c2jax.train.config import load_pretrain_config
+        from c2jax.train.config import PretrainConfig
 
-        pcfg = load_pretrain_config(source, overrides)
+        pcfg = load(PretrainConfig, source, overrides)
         seq, batch = int(pcfg.data.get("seq_len", 0)) or None, int(pcfg.data.get("batch_size", 0)) or None
         shapes = tuple((f"phase {p.name}", p.seq_len or seq, p.batch_size or batch) for p in pcfg.phases)
         return PlanSource(pcfg.model, pcfg.mesh, shapes, pcfg.optimizer.offload)
     if set(data) <= {f.name for f in dataclasses.fields(RunConfig)}:
-        cfg = load_config(source, overrides)
+        cfg = load(RunConfig, data, overrides)
         return PlanSource(cfg.model, cfg.mesh, (("", None, None),))
     if "model" not in data:
         raise ConfigError(f"{source}: no `model` section to plan")
@@ -410,7 +410,7 @@ def load_plan_source(source: str, overrides=()) -> PlanSource:
     if len(run_overrides) != len(overrides):
         raise ConfigError("plan applies only model.* and mesh.* overrides to this config: got "
                           f"{[o for o in overrides if o not in run_overrides]}")
-    cfg = from_dict(RunConfig, _resolve_presets(apply_overrides(run_keys, run_overrides)))
+    cfg = load(RunConfig, run_keys, run_overrides)
     max_len = (data.get("engine") or {}).get("max_len")
     label = "engine.max_len" if max_len else ""
     return PlanSource(cfg.model, cfg.mesh, ((label, int(max_len) if max_len else None, None),))

@@ -1,4 +1,4 @@
-"""Typed, frozen hyperparameters of the RL learner; build from YAML with `c2jax.config.from_dict`.
+"""Typed, frozen hyperparameters of the RL learner; read with `c2jax.config.load(RLConfig, ...)`.
 
 Defaults follow Composer 2 (report sec. 4): Dr. GRPO advantages (group mean, no std, no length
 normalisation), a REINFORCE token-sum loss over a constant normaliser, k1 KL in the reward, no overlong

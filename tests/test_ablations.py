@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from c2jax.config import load
 from c2jax.plan import plan
-from c2jax.train.config import load_pretrain_config
+from c2jax.train.config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "configs"
@@ -26,7 +27,7 @@ def _load_script(name: str):
 
 @pytest.mark.parametrize("name", ["composer2_k2.5.yaml", "composer2_cpt_small.yaml"])
 def test_composer2_configs_load(name):
-    cfg = load_pretrain_config(CONFIGS / name)
+    cfg = load(PretrainConfig, CONFIGS / name)
     assert [p.name for p in cfg.phases] == ["main", "long", "sft"]
     assert cfg.optimizer.name == "adamw"
     long = cfg.phases[1]
@@ -34,7 +35,7 @@ def test_composer2_configs_load(name):
 
 
 def test_full_scale_config_is_the_report_setup_and_plans():
-    cfg = load_pretrain_config(CONFIGS / "composer2_k2.5.yaml")
+    cfg = load(PretrainConfig, CONFIGS / "composer2_k2.5.yaml")
     assert cfg.model.n_routed_experts == 384 and cfg.model.num_experts_per_tok == 8  # Kimi K2.5 routing
     assert [p.seq_len for p in cfg.phases] == [32768, 262144, 32768]
     mesh = cfg.mesh.resolve(512)  # the device count the config states
@@ -147,9 +148,9 @@ def test_approximate_division_changes_nvfp4_codes_never_mxfp8(tmp_path):
 
 
 def test_full_scale_rl_config_is_the_report_setup():
-    from c2jax.rl.system.config import load_system_config
+    from c2jax.rl.system.config import RLSystemConfig
 
-    cfg = load_system_config(CONFIGS / "rl_composer2_k2.5.yaml")
+    cfg = load(RLSystemConfig, CONFIGS / "rl_composer2_k2.5.yaml")
     assert cfg.model.n_routed_experts == 384 and cfg.model.moe_quant == "nvfp4_per_token_fwd+mxfp8_bwd"
     assert cfg.model.moe_quant_division == "ieee"
     assert not cfg.rl.advantage.std_normalize and cfg.rl.loss.aggregation == "constant"  # Dr. GRPO
@@ -157,7 +158,7 @@ def test_full_scale_rl_config_is_the_report_setup():
     assert cfg.rl.reward.length_penalty.scale > 0 and 0 < cfg.rl.reward.length_penalty.q < 1  # concave
     assert cfg.router_replay and cfg.system.mode == "async"
     assert cfg.env.episode.summary_trigger_tokens is not None  # self-summarization on long episodes
-    assert load_pretrain_config(CONFIGS / "composer2_k2.5.yaml").model.moe_quant == cfg.model.moe_quant
+    assert load(PretrainConfig, CONFIGS / "composer2_k2.5.yaml").model.moe_quant == cfg.model.moe_quant
 
 
 def test_self_summarization_carries_a_long_chain_past_the_context_truncation_does_not(tmp_path):

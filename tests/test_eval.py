@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from c2jax.rl.eval import EvalConfig, evaluate, load_eval_config
+from c2jax.config import load
+from c2jax.rl.eval import EvalConfig, evaluate
 from c2jax.rl.eval.agents import oracle_turns, scripted_factory
 from c2jax.rl.eval.behaviour import build_behaviour_suite, check_rules, grade_eager_editing
 from c2jax.rl.eval.metrics import best_of_k, bootstrap_ci, cost_usd, pass_at_k, pass_hat_k
@@ -157,11 +158,11 @@ def test_bad_suite_and_unknown_agent_kind_are_named(tmp_path):
     from c2jax.config import ConfigError
 
     with pytest.raises(ConfigError, match="agent.kind must be one of"):
-        load_eval_config(None, ["agent.kind=gpt"])
+        load(EvalConfig, None, ["agent.kind=gpt"])
 
 
 def test_example_config_loads():
-    cfg = load_eval_config(ROOT / "experiments/configs/eval_small.yaml", ["samples=3"])
+    cfg = load(EvalConfig, ROOT / "experiments/configs/eval_small.yaml", ["samples=3"])
     assert cfg.samples == 3 and cfg.pricing.output_per_m > 0 and cfg.agent.kind == "scripted"
 
 

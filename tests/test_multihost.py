@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from c2jax import distributed
-from c2jax.train.config import load_pretrain_config
+from c2jax.config import load
+from c2jax.train.config import PretrainConfig
 from c2jax.train.loop import Trainer, data_batches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +169,7 @@ def runs(tmp_path_factory):
     _corpus(tmp / "corpus.jsonl")
     assert len(jax.devices()) == 8
     t = time.perf_counter()
-    trainer = Trainer(load_pretrain_config(_write_config(tmp, "ref"), []), batches=_Shards, tensorboard=False)
+    trainer = Trainer(load(PretrainConfig, _write_config(tmp, "ref"), []), batches=_Shards, tensorboard=False)
     try:
         trainer.run()
     finally:

@@ -266,12 +266,13 @@ def test_plan_cli_plans_a_pretraining_config_phase_by_phase(capsys):
     import json
 
     from c2jax.cli import main
-    from c2jax.train.config import load_pretrain_config
+    from c2jax.config import load
+    from c2jax.train.config import PretrainConfig
 
     path = str(ROOT / "experiments" / "configs" / "composer2_k2.5.yaml")
     assert main(["plan", "--config", path, "--devices", "512", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    cfg = load_pretrain_config(path)
+    cfg = load(PretrainConfig, path)
     assert [r["label"] for r in rows] == [f"phase {p.name}" for p in cfg.phases]
     assert [(r["seq"], r["batch"]) for r in rows] == [(p.seq_len, p.batch_size or cfg.data["batch_size"])
                                                       for p in cfg.phases]

@@ -7,8 +7,9 @@ import re
 
 import pytest
 
+from c2jax.config import load, save
 from c2jax.rl.harness.chat_format import CHAT_SPECIAL_TOKENS
-from c2jax.rl.system.config import load_system_config
+from c2jax.rl.system.config import RLSystemConfig
 
 SENTENCES = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
              "Fix the failing test in tests/test_math.py, then run pytest.", "print('hello, world')\n"] * 20
@@ -90,7 +91,7 @@ def test_the_reconciler_refuses_a_model_vocabulary_smaller_than_the_tokenizer(bp
     from c2jax.rl.system.reconciler import check_tokenizer_vocab
 
     def cfg(*extra):
-        return load_system_config(None, ["model.preset=tiny", "env.kind=ladder", "backend.policy=engine", *extra])
+        return load(RLSystemConfig, None, ["model.preset=tiny", "env.kind=ladder", "backend.policy=engine", *extra])
 
     n = _base_vocab(bpe_path) + len(CHAT_SPECIAL_TOKENS)
     named = rf"tokenizer {re.escape(str(bpe_path))} \(env\.tokenizer\) has {n} ids .* model\.vocab_size={n - 1}"
@@ -109,9 +110,9 @@ def test_rollout_worker_and_environment_host_use_the_configured_tokenizer(bpe_pa
     from c2jax.rl.system.actors import RolloutWorker
     from c2jax.rl.system.envs import EnvironmentHost, chat_tokenizer
 
-    cfg = load_system_config(None, ["backend.learner=fake", "backend.policy=fake", "env.kind=text",
-                                    "env.text_tasks=x", "env.text_eval_tasks=y", f"env.tokenizer={bpe_path}",
-                                    f"output_dir={tmp_path}", "dashboard=false"])
+    cfg = load(RLSystemConfig, None, ["backend.learner=fake", "backend.policy=fake", "env.kind=text",
+                                      "env.text_tasks=x", "env.text_eval_tasks=y", f"env.tokenizer={bpe_path}",
+                                      f"output_dir={tmp_path}", "dashboard=false"])
     worker = RolloutWorker(cfg, [], {}, "w0")  # a plain class until spawn() wraps it for Ray
     assert worker.renderer.tokenizer.get_vocab() == chat_tokenizer(str(bpe_path)).get_vocab()
     r = worker.renderer
@@ -123,11 +124,9 @@ def test_rollout_worker_and_environment_host_use_the_configured_tokenizer(bpe_pa
 
 def test_the_checkpoint_agent_loads_the_rl_runs_tokenizer(tmp_path):
     from c2jax.rl.eval.agents import load_checkpoint_engine
-    from c2jax.rl.system.config import save_system_config
-
-    cfg = load_system_config(None, ["model.preset=tiny", f"env.tokenizer={tmp_path / 'gone.json'}",
-                                    f"output_dir={tmp_path}", "name=run"])
-    save_system_config(cfg, cfg.run_dir)
+    cfg = load(RLSystemConfig, None, ["model.preset=tiny", f"env.tokenizer={tmp_path / 'gone.json'}",
+                                      f"output_dir={tmp_path}", "name=run"])
+    save(cfg, cfg.run_dir)
     (cfg.run_dir / "checkpoints").mkdir()
     with pytest.raises(ValueError, match=r"checkpoint agent: RL run .*env\.tokenizer.*gone\.json"):
         load_checkpoint_engine(cfg.run_dir)

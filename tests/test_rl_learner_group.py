@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from c2jax.rl.system.config import load_system_config
+from c2jax.config import load
+from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.weight_sync import (
     DeltaEncoder,
     ShardedDeltaDecoder,
@@ -108,23 +109,23 @@ def test_shard_sets_and_assembly_reject_what_does_not_fit():
 def test_config_checks_of_a_learner_group():
     from c2jax.models.config import ConfigError
 
-    ok = load_system_config(None, [*TINY, "learner.num_processes=2"])
-    assert ok.learner.num_processes == 2 and load_system_config(None, []).learner.num_processes == 1
+    ok = load(RLSystemConfig, None, [*TINY, "learner.num_processes=2"])
+    assert ok.learner.num_processes == 2 and load(RLSystemConfig, None, []).learner.num_processes == 1
     for extra, msg in [(["learner.num_processes=0"], "must be >= 1"),
                        (["learner.num_processes=2", "mesh.data=1", "mesh.fsdp=1"], "mesh must span"),
                        (["learner.num_processes=2", "backend.learner=fake"], "needs backend.learner=rl")]:
         with pytest.raises(ConfigError, match=msg):
-            load_system_config(None, [*TINY, *extra])
+            load(RLSystemConfig, None, [*TINY, *extra])
 
 
 def test_learner_env_gives_fake_cpu_devices_and_keeps_other_flags():
     from c2jax.rl.system.actors import learner_env
 
-    cfg = load_system_config(None, [*TINY, "learner.num_processes=2", "learner.cpu_devices_per_process=4"])
+    cfg = load(RLSystemConfig, None, [*TINY, "learner.num_processes=2", "learner.cpu_devices_per_process=4"])
     env = learner_env(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"})
     assert env == {"JAX_PLATFORMS": "cpu",
                    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4"}
-    assert learner_env(load_system_config(None, TINY)) == {}
+    assert learner_env(load(RLSystemConfig, None, TINY)) == {}
 
 
 # --------------------------------------------------------------------------------- the group on local Ray
@@ -175,10 +176,10 @@ def group_run(ray_cluster, tmp_path_factory):
 
     assert len(jax.devices()) == 8
     tmp = tmp_path_factory.mktemp("group")
-    cfg1 = load_system_config(None, [*TINY, f"output_dir={tmp}", "name=one"])
-    cfg2 = load_system_config(None, [*TINY, f"output_dir={tmp}", "name=two", "learner.num_processes=2",
-                                     "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK",
-                                     f"weight_sync.publish_dir={tmp / 'store'}"])
+    cfg1 = load(RLSystemConfig, None, [*TINY, f"output_dir={tmp}", "name=one"])
+    cfg2 = load(RLSystemConfig, None, [*TINY, f"output_dir={tmp}", "name=two", "learner.num_processes=2",
+                                       "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK",
+                                       f"weight_sync.publish_dir={tmp / 'store'}"])
     batches = _batches(0)
     seconds = {}
     t = time.perf_counter()
@@ -223,7 +224,7 @@ def group_run(ray_cluster, tmp_path_factory):
         seconds["2 processes, 4 steps"] = time.perf_counter() - t
         # the same group in a whole run (run_system): engine samplers assemble its shard packets
         t = time.perf_counter()
-        run = run_system(load_system_config(None, [
+        run = run_system(load(RLSystemConfig, None, [
             *TINY, f"output_dir={tmp}", "name=run", "backend.policy=engine", "learner.num_processes=2",
             f"system.steps={STEPS + 2}", "system.group_size=4", "system.groups_per_step=2",
             "system.num_rollout_workers=1", "env.gen_len=4", "env.prompt_len=2", "engine.slots=8",
@@ -362,7 +363,7 @@ def test_a_run_rebuilds_a_group_whose_process_died_and_loses_no_graded_group(ray
             killed["pid"] = rec.learner.pids[1]
             os.kill(killed["pid"], signal.SIGKILL)
 
-    cfg = load_system_config(None, [
+    cfg = load(RLSystemConfig, None, [
         *TINY, f"output_dir={tmp_path}", "name=restart", "backend.policy=engine", "learner.num_processes=2",
         "learner.cpu_devices_per_process=4", "learner.placement_strategy=PACK", "checkpoint.every=2",
         "system.steps=4", "system.group_size=4", "system.groups_per_step=2", "system.num_rollout_workers=1",

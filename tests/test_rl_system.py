@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from c2jax.config import load
 from c2jax.rl.system.cluster import init_ray, shutdown_ray
-from c2jax.rl.system.config import load_system_config
+from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.groups import Group, Rollout, build_batch
 from c2jax.rl.system.staleness import StalenessManager, is_stale
 from c2jax.rl.system.store import GroupStore
@@ -23,7 +24,7 @@ FAKE = ["backend.learner=fake", "backend.policy=fake", "resume=false", "rl.learn
 
 
 def _cfg(tmp_path, name, *extra):
-    return load_system_config(None, [*FAKE, f"output_dir={tmp_path}", f"name={name}", *extra])
+    return load(RLSystemConfig, None, [*FAKE, f"output_dir={tmp_path}", f"name={name}", *extra])
 
 
 # ------------------------------------------------------------------------------------------ weight sync
@@ -329,9 +330,9 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
 
     rises = {}
     for mode in ("async", "sync"):
-        cfg = load_system_config(None, [*TINY, f"output_dir={tmp_path}", f"name={mode}", f"system.mode={mode}",
-                                        "system.steps=10", "rl.learning_rate=1e-2",
-                                        "model.router_replay_filter_ratio=0.9"])
+        cfg = load(RLSystemConfig, None, [*TINY, f"output_dir={tmp_path}", f"name={mode}", f"system.mode={mode}",
+                                          "system.steps=10", "rl.learning_rate=1e-2",
+                                          "model.router_replay_filter_ratio=0.9"])
         assert cfg.router_replay
         out = run_system(cfg)
         assert out["version"] == 10 and out["worker_synced_versions"] == [10]
@@ -369,10 +370,10 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
 
 def test_router_replay_switch():
     base = ["model.preset=tiny", "model.num_hidden_layers=2"]
-    assert load_system_config(None, base).router_replay  # on by default for an MoE model
-    assert not load_system_config(None, [*base, "system.router_replay=false"]).router_replay
-    assert not load_system_config(None, [*base, "model.num_hidden_layers=1"]).router_replay  # dense only
-    assert not load_system_config(None, FAKE).router_replay  # the fakes have no experts
+    assert load(RLSystemConfig, None, base).router_replay  # on by default for an MoE model
+    assert not load(RLSystemConfig, None, [*base, "system.router_replay=false"]).router_replay
+    assert not load(RLSystemConfig, None, [*base, "model.num_hidden_layers=1"]).router_replay  # dense only
+    assert not load(RLSystemConfig, None, FAKE).router_replay  # the fakes have no experts
 
 
 # ------------------------------------------------------------------------------------------ init_from
@@ -389,7 +390,7 @@ def test_learner_starts_from_init_from_and_rejects_missing_or_incompatible_check
     from c2jax.models.transformer import init
     from c2jax.rl.system.backends import RLLearner, check_init_from, flatten_weights
 
-    cfg = load_system_config(None, [*TINY, f"output_dir={tmp_path}", "name=init"])
+    cfg = load(RLSystemConfig, None, [*TINY, f"output_dir={tmp_path}", "name=init"])
     source = init(cfg.model, seed=123)
     hf.save_pretrained(source, tmp_path / "hf")
     want = flatten_weights(*nnx.split(source, nnx.Param, ...)[1:])
@@ -420,8 +421,8 @@ def test_learner_on_a_mesh_takes_the_single_device_step(tmp_path):
     from c2jax.rl.system.backends import RLLearner
 
     # a large Adam eps: g / (|g| + eps) would otherwise blow float-order noise of ~0 gradients up to ~lr
-    cfg = load_system_config(None, [*TINY, "model.moe_impl=sorted", "rl.adam_eps=1e-4", f"output_dir={tmp_path}",
-                                    "name=mesh"])
+    cfg = load(RLSystemConfig, None, [*TINY, "model.moe_impl=sorted", "rl.adam_eps=1e-4", f"output_dir={tmp_path}",
+                                      "name=mesh"])
     groups = [_group(f"g{i}", (0, 0), (float(i), 1.0 - i)).with_advantages(AdvantageConfig()) for i in (0, 1)]
     batch = build_batch(groups, seq_len=cfg.system.seq_len, min_rows=4)
     single = RLLearner(cfg, tmp_path / "single")
@@ -686,8 +687,8 @@ def test_a_run_whose_every_episode_fails_stops_with_the_error(ray_local, tmp_pat
     failed groups are in the store."""
     from c2jax.rl.system.reconciler import run_system
 
-    cfg = load_system_config(None, [*AGENTIC_TINY, f"output_dir={tmp_path}", "name=fails", "engine.max_len=8",
-                                    "system.max_failed_groups_in_row=3", "system.max_episode_retries=0"])
+    cfg = load(RLSystemConfig, None, [*AGENTIC_TINY, f"output_dir={tmp_path}", "name=fails", "engine.max_len=8",
+                                      "system.max_failed_groups_in_row=3", "system.max_episode_retries=0"])
     with pytest.raises(RuntimeError, match=r"(?s)3 groups in a row failed.*max_failed_groups_in_row=3.*"
                                            r"ContextWindowExceeded"):
         run_system(cfg)
@@ -709,8 +710,8 @@ def test_agentic_rl_from_scratch_raises_the_hidden_test_reward(ray_local, tmp_pa
 
     from c2jax.rl.system.reconciler import run_system
 
-    cfg = load_system_config(None, [*AGENTIC_TINY, f"output_dir={tmp_path}", "name=learns", "rl.learning_rate=1e-2",
-                                    "system.steps=30"])
+    cfg = load(RLSystemConfig, None, [*AGENTIC_TINY, f"output_dir={tmp_path}", "name=learns", "rl.learning_rate=1e-2",
+                                      "system.steps=30"])
     out = run_system(cfg)
     assert out["version"] == 30 and out["counts"].get("episodes_errored", 0) == 0
     per_step = 4 * 8

@@ -21,8 +21,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from c2jax.config import load
 from c2jax.rl.system import packet_store
-from c2jax.rl.system.config import ConfigError, load_system_config
+from c2jax.rl.system.config import ConfigError, RLSystemConfig
 from c2jax.rl.system.packet_store import (
     MANIFEST,
     PacketFollower,
@@ -339,11 +340,11 @@ def test_packet_file_format_round_trips_and_rejects_truncation():
 
 
 def test_config_publish_dir_and_keep_full(tmp_path):
-    cfg = load_system_config(None, [f"weight_sync.publish_dir={tmp_path}", "weight_sync.keep_full=3"])
+    cfg = load(RLSystemConfig, None, [f"weight_sync.publish_dir={tmp_path}", "weight_sync.keep_full=3"])
     assert cfg.weight_sync.publish_dir == str(tmp_path) and cfg.weight_sync.keep_full == 3
-    assert load_system_config(None, []).weight_sync.publish_dir == ""
+    assert load(RLSystemConfig, None, []).weight_sync.publish_dir == ""
     with pytest.raises(ConfigError, match="keep_full"):
-        load_system_config(None, ["weight_sync.keep_full=0"])
+        load(RLSystemConfig, None, ["weight_sync.keep_full=0"])
 
 
 def test_learner_actor_publishes_every_packet(tmp_path):
@@ -353,9 +354,9 @@ def test_learner_actor_publishes_every_packet(tmp_path):
 
     from c2jax.rl.system.actors import Learner
 
-    cfg = load_system_config(None, ["backend.learner=fake", "backend.policy=fake", "weight_sync.full_every=2",
-                                    f"weight_sync.publish_dir={tmp_path / 'store'}", "checkpoint.every=100",
-                                    "system.steps=100"])
+    cfg = load(RLSystemConfig, None, ["backend.learner=fake", "backend.policy=fake", "weight_sync.full_every=2",
+                                      f"weight_sync.publish_dir={tmp_path / 'store'}", "checkpoint.every=100",
+                                      "system.steps=100"])
     learner = Learner(cfg, str(tmp_path / "run"))
     version, _ = learner.start(resume=False)
     fol = PacketFollower(tmp_path / "store")

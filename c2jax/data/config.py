@@ -1,6 +1,6 @@
 """Typed configs of the data pipeline: where documents come from, how they are mixed, tokenized, packed.
 
-Built by `c2jax.config.from_dict` (type-checked, dotted error names), so a YAML `data:` section such as
+Read by `c2jax.config.load(DataConfig, ...)` (type-checked, dotted error names), so a YAML `data:` section such as
 
     data:
       tokenizer: runs/tok/tokenizer.json

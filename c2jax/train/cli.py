@@ -15,9 +15,10 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     from c2jax import distributed
-    from c2jax.train.config import load_pretrain_config
+    from c2jax.config import load
+    from c2jax.train.config import PretrainConfig
 
-    cfg = load_pretrain_config(args.config, args.overrides)
+    cfg = load(PretrainConfig, args.config, args.overrides)
     distributed.initialize(cfg.distributed)  # before anything asks JAX for devices; no-op unless enabled
     from c2jax.train.loop import Trainer
 

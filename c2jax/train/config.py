@@ -1,24 +1,15 @@
 """`PretrainConfig`: one typed config for a continued-pretraining run (model, mesh, data, optimizer,
-phases, checkpoints, eval, logging), loaded from YAML plus dotted overrides like every c2jax config."""
+phases, checkpoints, eval, logging); `c2jax.config.load(PretrainConfig, yaml, overrides)` reads it and
+`c2jax.config.save` writes the resolved one, as for every c2jax config."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from c2jax.config import (
-    ConfigError,
-    DistributedConfig,
-    MeshConfig,
-    _resolve_presets,
-    apply_overrides,
-    dump_yaml,
-    from_dict,
-    load_yaml,
-)
+from c2jax.config import ConfigError, DistributedConfig, MeshConfig, from_dict
+from c2jax.data.config import DataConfig
 from c2jax.models.config import ModelConfig, RopeScaling
 
 
@@ -119,6 +110,7 @@ class PretrainConfig:
         names = [p.name for p in self.phases]
         if len(set(names)) != len(names):
             raise ConfigError(f"phases: names must be unique, got {names}")
+        from_dict(DataConfig, self.data, "data")  # so a typo in `data` is an error (and a suggestion) at load
 
     @property
     def total_steps(self) -> int:
@@ -136,17 +128,3 @@ class PretrainConfig:
                 return i, phase, start
             start += phase.steps
         return len(self.phases) - 1, self.phases[-1], start - self.phases[-1].steps
-
-
-def load_pretrain_config(source: str | os.PathLike, overrides: Sequence[str] = ()) -> PretrainConfig:
-    """YAML file of a PretrainConfig (with `model: {preset: NAME, ...}`) plus dotted overrides."""
-    if not Path(source).is_file():
-        raise ConfigError(f"{source}: no such config file")
-    data = _resolve_presets(apply_overrides(load_yaml(source), overrides))
-    return from_dict(PretrainConfig, data)
-
-
-def save_resolved(cfg: PretrainConfig, directory: str | os.PathLike) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    return dump_yaml(cfg, directory / "config.yaml")

@@ -27,12 +27,13 @@ import optax
 from flax import nnx
 
 from c2jax import distributed
+from c2jax.config import save
 from c2jax.mesh import activation_rules, batch_spec
 from c2jax.models.config import ConfigError, ModelConfig
 from c2jax.models.flops import training_flops_per_token
 from c2jax.models.transformer import Transformer, init
 from c2jax.train.checkpoint import Checkpointer
-from c2jax.train.config import PhaseConfig, PretrainConfig, save_resolved
+from c2jax.train.config import PhaseConfig, PretrainConfig
 from c2jax.train.evaluate import codebase_nll, eval_loss, make_eval_step, read_codebase
 from c2jax.train.metrics import MetricsWriter, device_peak_flops, measure_peak_flops
 from c2jax.train.optim import make_optimizer
@@ -45,13 +46,11 @@ BatchSource = Callable[..., Iterator[dict]]
 
 
 def _phase_data_config(cfg: PretrainConfig, phase: PhaseConfig):
-    from c2jax.config import from_dict, load_yaml
+    from c2jax.config import load
     from c2jax.data.config import DataConfig
 
-    data = dict(load_yaml(phase.data)) if phase.data else dict(cfg.data)
-    if phase.loss_mask is not None:
-        data["loss_mask"] = phase.loss_mask
-    return from_dict(DataConfig, data, "data")
+    loss_mask = [("loss_mask", phase.loss_mask)] if phase.loss_mask is not None else []
+    return load(DataConfig, phase.data or cfg.data, loss_mask, path="data")
 
 
 def data_batches(cfg: PretrainConfig, phase: PhaseConfig, split: str,
@@ -75,11 +74,11 @@ def phase_batch_shape(cfg: PretrainConfig, phase: PhaseConfig) -> tuple[int, int
 
 
 def data_eval_sources(cfg: PretrainConfig, phase: PhaseConfig) -> Mapping[str, Callable[[], Iterator[dict]]]:
-    from c2jax.config import from_dict
+    from c2jax.config import load
     from c2jax.data.config import DataConfig
     from c2jax.data.pipeline import eval_sources
 
-    sources = eval_sources(from_dict(DataConfig, dict(cfg.data), "data"), seq_len=phase.seq_len or None,
+    sources = eval_sources(load(DataConfig, cfg.data, path="data"), seq_len=phase.seq_len or None,
                            batch_size=phase.batch_size or None)  # fresh one-pass iterators per eval
     return {name: (lambda it=it: it) for name, it in sources.items()}
 
@@ -176,7 +175,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.primary = distributed.is_primary()  # process 0 writes metrics, TensorBoard, console, config
         if self.primary:
-            save_resolved(cfg, self.run_dir)
+            save(cfg, self.run_dir)
         self.writer = MetricsWriter(self.run_dir, tensorboard=tensorboard, enabled=self.primary)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.total_steps)
@@ -434,23 +433,22 @@ def _copy_tree(tree):
 
 
 def _tokenizer(cfg: PretrainConfig):
-    from c2jax.config import from_dict
+    from c2jax.config import load
     from c2jax.data.config import DataConfig
     from c2jax.data.tokenizer import load_tokenizer
 
-    return load_tokenizer(from_dict(DataConfig, dict(cfg.data), "data").tokenizer)
+    return load_tokenizer(load(DataConfig, cfg.data, path="data").tokenizer)
 
 
 def _check_vocab(cfg: PretrainConfig) -> None:
     """Token ids at or above the model's vocab_size would index past the embedding table silently."""
-    from c2jax.config import from_dict, load_yaml
+    from c2jax.config import load
     from c2jax.data.config import DataConfig
     from c2jax.data.tokenizer import load_tokenizer
 
-    datas = [("data", dict(cfg.data))] + [(f"phases.{p.name}.data", dict(load_yaml(p.data)))
-                                           for p in cfg.phases if p.data]
+    datas = [("data", cfg.data)] + [(f"phases.{p.name}.data", p.data) for p in cfg.phases if p.data]
     for where, data in datas:
-        tok = load_tokenizer(from_dict(DataConfig, data, where).tokenizer)
+        tok = load_tokenizer(load(DataConfig, data, path=where).tokenizer)
         if tok.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"{where}.tokenizer: {tok!r} has {tok.vocab_size} token ids but "
                               f"model.vocab_size is {cfg.model.vocab_size}")

@@ -416,14 +416,14 @@ def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
 
     stdlib = sysconfig.get_paths()["stdlib"]
     sft_data = out / "data" / "sft_data.yaml"
-    from c2jax.config import from_dict
+    from c2jax.config import load
     from c2jax.data.config import DataConfig
 
-    sft = from_dict(DataConfig, {
+    sft = load(DataConfig, {
         "tokenizer": data["tokenizer"], "seq_len": cfg.context, "batch_size": cfg.sft_batch, "seed": cfg.seed,
         "loss_mask": "completion",
         "sources": [{"name": "tool_use", "kind": "jsonl", "path": data["jsonl"], "prompt_field": "prompt",
-                     "completion_field": "completion", "heldout_fraction": 0.0}]}, "data")
+                     "completion_field": "completion", "heldout_fraction": 0.0}]}, path="data")
     dump_yaml(sft, sft_data)
     rope = yarn(cfg)
     pcfg = PretrainConfig(
@@ -551,7 +551,7 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
 
 def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict:
     """avg@1 and best-of-K on HELD-OUT ladder tasks (seed + 1000, as the RL system's held-out set), c2jax.rl.eval."""
-    from c2jax.config import dump_yaml
+    from c2jax.config import save
     from c2jax.rl.eval import EvalConfig, evaluate
 
     tasks = ladder(out / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung_list, cfg.lookup_keys)
@@ -561,8 +561,7 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
                       prompt_level="terse", selector="model_score", seed=cfg.seed, bootstrap_samples=200,
                       label=label, episode=episode_config(cfg))
     run_dir = out / "eval" / label
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_yaml(ecfg, run_dir / "config.yaml")
+    save(ecfg, run_dir)
     res = evaluate(tasks, agent_factory(cfg, out, model, label, step), config=ecfg, out_dir=run_dir, label=label,
                    step=step, progress=not cfg.quick)
     summary = res.summary(ecfg)

@@ -132,7 +132,7 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     import jax
     from flax import nnx
 
-    from c2jax.config import from_dict, load_yaml
+    from c2jax.config import load, load_yaml
     from c2jax.data.tokenizer import load_tokenizer
     from c2jax.models.inference import EngineConfig, InferenceEngine
     from c2jax.models.transformer import init
@@ -149,7 +149,7 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     data = load_yaml(run_dir / "config.yaml")
     if isinstance(data, dict) and "rl" in data and "system" in data:
         return _load_rl_run_engine(run_dir, data, step=step, max_len=max_len)
-    cfg = from_dict(PretrainConfig, data)
+    cfg = load(PretrainConfig, data)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     steps = ckpt.steps()
     if not steps:
@@ -176,13 +176,13 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
 def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
     """(engine, tokenizer, version) from a c2jax RL run (`c2jax rl`, the demo's RL stage): the learner's
     newest Orbax checkpoint, restored as the learner restores it, and the RL system's chat tokenizer."""
-    from c2jax.config import from_dict
+    from c2jax.config import load
     from c2jax.models.inference import EngineConfig, InferenceEngine
     from c2jax.rl.system.backends import restore_learner_model
     from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.envs import chat_tokenizer
 
-    cfg = from_dict(RLSystemConfig, data)
+    cfg = load(RLSystemConfig, data)
     if cfg.backend.learner != "rl":
         raise ValueError(f"checkpoint agent: {run_dir} ran the {cfg.backend.learner!r} learner, which has no model")
     try:  # the run's env.tokenizer (bytes or a trained one), loaded before the checkpoint is restored

@@ -40,32 +40,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _config(args):
-    from c2jax.config import apply_overrides, from_dict, load_yaml
+    """The eval config: --config's YAML, then the KEY=VALUE overrides, then the flags (which win)."""
+    from c2jax.config import load
     from c2jax.rl.eval.config import EvalConfig
 
-    data = apply_overrides(load_yaml(args.config) if args.config else {}, args.overrides)
-    for key, value in (("suite", args.suite), ("repos", args.repos), ("image_store", args.image_store),
-                       ("out", args.out), ("samples", args.samples),
-                       ("concurrency", args.concurrency), ("sandbox", args.sandbox), ("label", args.label)):
-        if value is not None:
-            data[key] = value
+    flags = [(key, value) for key, value in (
+        ("suite", args.suite), ("repos", args.repos), ("image_store", args.image_store), ("out", args.out),
+        ("samples", args.samples), ("concurrency", args.concurrency), ("sandbox", args.sandbox),
+        ("label", args.label)) if value is not None]
     if args.agent:
         kind, rest = args.agent[0], args.agent[1:]
         if len(rest) > 1:
             raise ValueError(f"--agent takes a kind and at most one target, got {args.agent}")
-        agent = dict(data.get("agent", {}), kind=kind)
+        flags.append(("agent.kind", kind))
         if rest:
-            agent["target"] = rest[0]
+            flags.append(("agent.target", rest[0]))
         elif kind == "scripted":
-            agent["target"] = "oracle"
+            flags.append(("agent.target", "oracle"))
         elif kind in ("openai", "checkpoint"):
             raise ValueError(f"--agent {kind} needs a {'base URL' if kind == 'openai' else 'run directory'}")
         if args.model:
-            agent["model"] = args.model
+            flags.append(("agent.model", args.model))
         if args.step is not None and kind == "checkpoint":
-            agent["step"] = args.step
-        data["agent"] = agent
-    return from_dict(EvalConfig, data)
+            flags.append(("agent.step", args.step))
+    return load(EvalConfig, args.config, [*args.overrides, *flags])
 
 
 def run(args) -> int:

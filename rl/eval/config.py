@@ -1,12 +1,11 @@
-"""The evaluation config: a typed frozen dataclass, loaded from YAML with dotted overrides
-(`c2jax.config.from_dict` / `apply_overrides`). Example: experiments/configs/eval_small.yaml."""
+"""The evaluation config: a typed frozen dataclass, read with `c2jax.config.load(EvalConfig, yaml,
+overrides)` like every c2jax config. Example: experiments/configs/eval_small.yaml."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from c2jax.config import ConfigError, apply_overrides, from_dict, load_yaml
+from c2jax.config import ConfigError
 from c2jax.rl.harness.episode import EpisodeConfig
 
 AGENT_KINDS = ("scripted", "openai", "checkpoint")
@@ -104,7 +103,3 @@ class EvalConfig:
             return f"scripted-{self.agent.target}"
         return f"{self.agent.kind}:{self.agent.model if self.agent.kind == 'openai' else self.agent.target}"
 
-
-def load_eval_config(path: str | None = None, overrides: Sequence[str] = ()) -> EvalConfig:
-    data = load_yaml(path) if path else {}
-    return from_dict(EvalConfig, apply_overrides(data, overrides))

@@ -152,7 +152,7 @@ def _load_pretraining_run(path: Path):
     import jax
     from flax import nnx
 
-    from c2jax.config import from_dict, load_yaml
+    from c2jax.config import load
     from c2jax.models.config import ConfigError
     from c2jax.models.transformer import init
     from c2jax.train.checkpoint import Checkpointer
@@ -161,7 +161,7 @@ def _load_pretraining_run(path: Path):
     from c2jax.train.optim import make_optimizer
     from c2jax.train.step import init_train_state
 
-    run = from_dict(PretrainConfig, load_yaml(path / "config.yaml"))
+    run = load(PretrainConfig, path / "config.yaml")
     ckpt = Checkpointer(path / "checkpoints", run.checkpoint)
     try:
         if not ckpt.steps():

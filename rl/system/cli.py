@@ -18,11 +18,12 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from c2jax.rl.system.config import load_system_config
+    from c2jax.config import load
+    from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.dashboard import Dashboard
     from c2jax.rl.system.reconciler import Reconciler
 
-    cfg = load_system_config(args.config, args.overrides)
+    cfg = load(RLSystemConfig, args.config, args.overrides)
     console = Console()
     rec = Reconciler(cfg)
     live = cfg.dashboard and sys.stdout.isatty()

@@ -1,23 +1,14 @@
 """`RLSystemConfig`: one typed, frozen config for an RL run (model, learner, sampler, environment, the
-async system, weight sync, curriculum, eval, checkpoints, Ray), from YAML plus dotted overrides."""
+async system, weight sync, curriculum, eval, checkpoints, Ray): `c2jax.config.load(RLSystemConfig, yaml,
+overrides)` reads it (`model: {preset: NAME}` included) and `c2jax.config.save` writes the resolved one."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from c2jax.config import (
-    ConfigError,
-    MeshConfig,
-    _resolve_presets,
-    apply_overrides,
-    dump_yaml,
-    from_dict,
-    load_yaml,
-)
+from c2jax.config import ConfigError, MeshConfig, load
 from c2jax.models.config import ModelConfig
 from c2jax.models.inference.engine import EngineConfig
 from c2jax.rl.config import RLConfig
@@ -275,13 +266,7 @@ class RLSystemConfig:
                 and self.backend.learner == "rl")
 
 
-def load_system_config(source: str | os.PathLike | None, overrides: Sequence[str] = ()) -> RLSystemConfig:
-    data = load_yaml(source) if source is not None else {}
-    data = _resolve_presets(apply_overrides(data, overrides))
-    return from_dict(RLSystemConfig, data)
-
-
-def save_system_config(cfg: RLSystemConfig, directory: str | os.PathLike) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    return dump_yaml(cfg, directory / "config.yaml")
+# Kept only while experiments/bench/async_vs_sync.py calls it; everything else calls
+# c2jax.config.load(RLSystemConfig, source, overrides) and c2jax.config.save(cfg, run_dir).
+def load_system_config(source=None, overrides=()) -> RLSystemConfig:
+    return load(RLSystemConfig, source, overrides)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from c2jax.config import save
 from c2jax.rl.system.actors import (
     Evaluator,
     RolloutWorker,
@@ -32,7 +33,7 @@ from c2jax.rl.system.actors import (
     spawn_learner,
 )
 from c2jax.rl.system.cluster import init_ray
-from c2jax.rl.system.config import RLSystemConfig, save_system_config
+from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.curriculum import Curriculum
 from c2jax.rl.system.envs import (
     chat_tokenizer,
@@ -131,7 +132,7 @@ class Reconciler:
             from c2jax.rl.system.backends import check_init_from
 
             check_init_from(cfg)
-        save_system_config(cfg, self.run_dir)
+        save(cfg, self.run_dir)
         self.train_prompts, self.eval_prompts, task_dirs = self._prompts()
         tag = uuid.uuid4().hex[:6]
         self.env_workers = [spawn_env_worker(cfg, task_dirs, f"env-{tag}-{i}") for i in range(sc.num_env_workers)]

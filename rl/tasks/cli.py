@@ -29,14 +29,14 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from c2jax.config import apply_overrides, from_dict, load_yaml
+    from c2jax.config import load
     from c2jax.progress import progress
     from c2jax.rl.tasks.build import SuiteConfig, build_suite, sandbox_factory, validate_task
     from c2jax.rl.tasks.task import load_tasks
 
     console = Console()
     if args.tasks_command == "build":
-        cfg = from_dict(SuiteConfig, apply_overrides(load_yaml(args.config), args.overrides))
+        cfg = load(SuiteConfig, args.config, args.overrides)
         errors: list[str] = []
         written = build_suite(cfg, args.out, errors=errors)
         console.print(f"wrote {len(written)} tasks to {args.out} (manifest.json lists them)")

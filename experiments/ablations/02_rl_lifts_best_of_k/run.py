@@ -21,7 +21,8 @@ from pathlib import Path
 import matplotlib
 from tensorboardX import SummaryWriter
 
-from c2jax.rl.system.config import load_system_config
+from c2jax.config import load
+from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.reconciler import run_system
 from experiments.ablations.provenance import ablation_args, git_commit
 
@@ -36,11 +37,11 @@ def run_target(raw: dict, quick: bool) -> dict:
     if quick:
         raw = raw | {"steps": 4, "eval_every": 2, "k": 2, "eval_prompts": 4}
     with tempfile.TemporaryDirectory() as runs:
-        cfg = load_system_config(None, [*raw["overrides"], f"system.steps={raw['steps']}",
-                                        f"eval.every={raw['eval_every']}", f"eval.k={raw['k']}",
-                                        f"eval.success_threshold={raw['success_threshold']}",
-                                        f"env.eval_prompts={raw['eval_prompts']}", f"seed={raw['seed']}",
-                                        f"output_dir={runs}", "name=ablation02"])
+        cfg = load(RLSystemConfig, None, [*raw["overrides"], f"system.steps={raw['steps']}",
+                                          f"eval.every={raw['eval_every']}", f"eval.k={raw['k']}",
+                                          f"eval.success_threshold={raw['success_threshold']}",
+                                          f"env.eval_prompts={raw['eval_prompts']}", f"seed={raw['seed']}",
+                                          f"output_dir={runs}", "name=ablation02"])
         from c2jax.rl.system.cluster import shutdown_ray
 
         try:
