@@ -5,11 +5,14 @@ AVX-512 machine and 1.02x on an AVX2-only AMD EPYC (Zen 1), and a loaded 2-core 
 tens of percent. Every benchmark records `describe()` in its JSON (key "machine", with the load at the start
 and at the end) and prints `summary_line()` beside its table.
 
-Nothing heavy is imported here: jax only inside `describe()`, and only if it is installed.
+Nothing heavy is imported here, jax neither: its version comes from the installed package's metadata, so a
+driver that must not touch the accelerator (experiments/bench/gpu_check) can describe its host too.
+`c2jax.bench_report.write_results` is the tail every benchmark ends with: table, this machine, JSON, path.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import sys
@@ -85,13 +88,11 @@ def describe() -> dict[str, Any]:
     out: dict[str, Any] = {**cpu, "arch": arch, "logical_cores": os.cpu_count(), "affinity_cores": affinity,
                            "memory_gib": _memory_total_gib(), "load_avg_start": load_average(),
                            "platform": platform.platform(), "python": sys.version.split()[0]}
-    try:
-        import jax
-        import jaxlib
-    except ImportError:
-        pass
-    else:
-        out["jax"], out["jaxlib"] = jax.__version__, getattr(jaxlib, "__version__", None)
+    for name in ("jax", "jaxlib"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return out
 
 

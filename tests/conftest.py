@@ -20,12 +20,15 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 
-# Many tests compile the same small programs; a persistent cache makes reruns much faster.
-jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache")),
-)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Many tests compile the same small programs; a persistent cache makes reruns much faster. Set in the
+# environment, not only in this process's jax.config, so that every process a test starts (a resumed run
+# after kill -9, the multi-process runs, Ray actors, notebook kernels, the demo) shares the cache at the same
+# threshold: JAX's default (1 s) would leave their 0.5-1 s programs to be compiled again in each process.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 # Modules with the longest runs first (measured, cold cache): `make test` runs the suite on two xdist

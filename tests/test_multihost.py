@@ -76,7 +76,7 @@ def _c2jax() -> list[str]:
 def _launch(config: Path, launcher: str, port: int) -> list[subprocess.Popen]:
     """Both processes of a 2-process run, each with 4 fake CPU devices, talking over 127.0.0.1:port."""
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
-    base = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"),
+    base = dict(os.environ, JAX_PLATFORMS="cpu",  # the compilation cache: conftest's, inherited
                 XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4",
                 JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", PYTHONUNBUFFERED="1")
     procs = []

@@ -194,8 +194,7 @@ def _worker(tmp_path, name):
     # one device (drop conftest's 8 fake ones) but the same faster-compiling LLVM level; the runs share the
     # compilation cache, so only the first compiles
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
-               JAX_COMPILATION_CACHE_DIR=str(ROOT / ".jax_cache"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)  # conftest's compilation cache, inherited
     code = WORKER.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), name=name)
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -156,10 +156,8 @@ def ray_cluster():
     pytest.importorskip("ray")
     from c2jax.rl.system.cluster import init_ray, shutdown_ray
 
-    with pytest.MonkeyPatch.context() as mp:  # read by JAX in the actors (the cluster inherits this env)
-        mp.setenv("JAX_COMPILATION_CACHE_DIR", os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
-        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-        init_ray(num_cpus=2)
+    # the actors inherit conftest's JAX_COMPILATION_CACHE_DIR and threshold from this process's environment
+    init_ray(num_cpus=2)
     yield
     shutdown_ray()
 

@@ -25,13 +25,13 @@ then concurrently (one thread each, sharing the engine's slots), as RolloutWorke
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-from c2jax.machine import describe, finish, summary_line
+from c2jax.bench_report import write_results
+from c2jax.machine import describe
 
 # The tiny preset widened to hidden 512, so one rl_step (~0.25 s alone, ~0.5 s beside the samplers) is
 # comparable to generating a step's batch (~0.25 s for 4 groups x 8 samples x 16 tokens on one engine), as on
@@ -62,10 +62,11 @@ PROFILES = {
 
 def measure(mode: str, steps: int, delay: float, staleness: int, out_dir: Path, extra: list[str],
             warmup: int, sigma: float = 0.0) -> dict:
-    from c2jax.rl.system.config import load_system_config
+    from c2jax.config import load
+    from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.reconciler import run_system
 
-    cfg = load_system_config(None, [*BASE, f"system.mode={mode}", f"system.steps={steps}", f"env.delay_s={delay}",
+    cfg = load(RLSystemConfig, None, [*BASE, f"system.mode={mode}", f"system.steps={steps}", f"env.delay_s={delay}",
                                     f"env.delay_sigma={sigma}", f"system.max_staleness={staleness}",
                                     f"output_dir={out_dir}",
                                     f"name={mode}-{int(time.time())}", *extra])
@@ -92,6 +93,7 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
+    from c2jax.config import load
     from c2jax.rl.harness import (
         ChatRenderer,
         EpisodeConfig,
@@ -103,10 +105,10 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
     from c2jax.rl.sandbox import LocalSandbox
     from c2jax.rl.system.actors import _TokenPolicy
     from c2jax.rl.system.backends import EnginePolicy, flatten_weights
-    from c2jax.rl.system.config import load_system_config
+    from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.envs import byte_tokenizer
 
-    cfg = load_system_config(None, ["model.preset=tiny", "model.vocab_size=264", "model.num_nextn_predict_layers=0",
+    cfg = load(RLSystemConfig, None, ["model.preset=tiny", "model.vocab_size=264", "model.num_nextn_predict_layers=0",
                                     "model.moe_impl=dense", f"engine.slots={max(group, 2)}", "engine.max_len=512",
                                     "engine.chunk_steps=8", "engine.key_bucket=128", "engine.min_prompt_bucket=64"])
     renderer = ChatRenderer(byte_tokenizer())
@@ -168,15 +170,13 @@ def main() -> None:
     machine = describe()
     if args.group_episodes:
         res = measure_group(args.group_episodes, args.turns)
-        res["machine"] = finish(machine)
-        print(json.dumps(res, indent=1))
-        print(f"machine: {summary_line(machine)}")
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "rl_group_concurrency.json").write_text(json.dumps(res, indent=1))
+        write_results(Path(args.out) / "rl_group_concurrency.json",
+                      [{"episodes": name, "seconds": res[f"{name}_s"], "tokens": res[f"{name}_tokens"]}
+                       for name in ("sequential", "concurrent")],
+                      title=f"one group of {res['group']} episodes, {res['turns']} turns",
+                      notes=[f"concurrent / sequential: {res['speedup']:.2f}x faster"], meta=res, machine=machine,
+                      rows_key=None, indent=1)
         return
-
-    from rich.console import Console
-    from rich.table import Table
 
     from c2jax.rl.system.cluster import init_ray, shutdown_ray
 
@@ -202,32 +202,24 @@ def main() -> None:
                           f"{row['learner_busy']:.0%}", flush=True)
     finally:
         shutdown_ray()
-    table = Table(title=f"RL throughput: env delay median {args.delay}s/rollout, max_staleness {args.max_staleness}, "
-                        f"steps {warmup + 1}..{args.steps}, {args.num_cpus} CPUs")
-    cols = ["profile", "delay_sigma", "mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy",
-            "staleness_mean", "staleness_max", "dropped_stale", "sync_kib_per_step", "reward_first", "reward_last"]
-    for c in cols:
-        table.add_column(c)
-    for r in rows:
-        table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
-    Console(width=200).print(table)
-    print(f"machine: {summary_line(finish(machine))}")
-    speedups = {}
+    speedups, notes = {}, []
     for profile in profiles:
         for sigma in sigmas:
             sync, asyn = (next(r for r in rows if r["profile"] == profile and r["delay_sigma"] == sigma
                                and r["mode"] == m) for m in ("sync", "async"))
             key = f"{profile}, sigma={sigma:g}"
             speedups[key] = asyn["samples_per_s"] / sync["samples_per_s"]
-            print(f"{key}: async / sync samples/s = {speedups[key]:.2f}x, async learner busy "
-                  f"{asyn['learner_busy']:.0%}, staleness mean {asyn['staleness_mean']:.2f} "
-                  f"max {asyn['staleness_max']}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "async_vs_sync.json").write_text(json.dumps(
-        {"config": vars(args), "base_overrides": BASE, "profiles": {p: PROFILES[p] for p in profiles},
-         "results": rows, "async_over_sync": speedups, "machine": machine},
-        indent=1))
-    print(f"wrote {out_dir / 'async_vs_sync.json'}")
+            notes.append(f"{key}: async / sync samples/s = {speedups[key]:.2f}x, async learner busy "
+                         f"{asyn['learner_busy']:.0%}, staleness mean {asyn['staleness_mean']:.2f} "
+                         f"max {asyn['staleness_max']}")
+    write_results(out_dir / "async_vs_sync.json", rows, columns=[
+        "profile", "delay_sigma", "mode", "samples_per_s", "tokens_per_s", "steps_per_s", "learner_busy",
+        "staleness_mean", "staleness_max", "dropped_stale", "sync_kib_per_step", "reward_first", "reward_last"],
+                  title=f"RL throughput: env delay median {args.delay}s/rollout, max_staleness "
+                        f"{args.max_staleness}, steps {warmup + 1}..{args.steps}, {args.num_cpus} CPUs",
+                  notes=notes, meta={"config": vars(args), "base_overrides": BASE,
+                                     "profiles": {p: PROFILES[p] for p in profiles}, "async_over_sync": speedups},
+                  rows_key="results", machine=machine, indent=1)
 
 
 if __name__ == "__main__":

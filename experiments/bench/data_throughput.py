@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from c2jax.bench_report import write_results
 from c2jax.data.bpe import corpus_texts, train_bpe
 from c2jax.data.config import DataConfig
 from c2jax.data.demo_corpus import default_roots
 from c2jax.data.pipeline import build_batches
-from c2jax.machine import describe, finish, summary_line
+from c2jax.machine import describe
 
 SHAPES = ((8, 512), (16, 2048))
 # docs/ARCHITECTURE.md: the small preset's 8x512 training step takes 2.04-2.57 s on a 2-core AVX-512 VM
@@ -88,21 +89,14 @@ def main(argv=None) -> int:
 
     print(f"data pipeline alone, demo corpus (stdlib + site-packages: code 0.7 / docs 0.2 / sft 0.1), "
           f"{args.batches} batches after the first; model rate {model_rate:,.0f} tokens/s from {model_source}")
-    print(f"{'tokenizer':>10} {'batch':>5} {'seq':>5} {'tokens/s':>10} {'x model':>8} {'s/batch':>8} "
-          f"{'packed':>7} {'loss':>6} {'startup s':>9}")
-    for r in rows:
-        print(f"{r['tokenizer']:>10} {r['batch']:>5} {r['seq_len']:>5} {r['tokens_per_s']:>10,.0f} "
-              f"{r['x_model_rate']:>8.1f} {r['seconds_per_batch']:>8.3f} {r['packing_efficiency']:>7.3f} "
-              f"{r['loss_token_fraction']:>6.3f} {r['startup_s']:>9.1f}")
-    print(f"machine: {summary_line(finish(machine))}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "model_tokens_per_s": model_rate, "model_rate_source": model_source,
-                               "bpe_train_seconds": bpe_train_s, "bpe_corpus_bytes": args.bpe_corpus_bytes,
-                               "min_x_model_rate": float(np.min([r["x_model_rate"] for r in rows])),
-                               "machine": machine},
-                              indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(args.out, rows, machine=machine, columns=[
+        "tokenizer", "batch", ("seq_len", "seq"), ("tokens_per_s", "tokens/s", ",.0f"),
+        ("x_model_rate", "x model", ".1f"),
+        ("seconds_per_batch", "s/batch", ".3f"), ("packing_efficiency", "packed", ".3f"),
+        ("loss_token_fraction", "loss", ".3f"), ("startup_s", "startup s", ".1f")],
+        meta={"model_tokens_per_s": model_rate, "model_rate_source": model_source, "bpe_train_seconds": bpe_train_s,
+              "bpe_corpus_bytes": args.bpe_corpus_bytes,
+              "min_x_model_rate": float(np.min([r["x_model_rate"] for r in rows]))})
     return 0
 
 

@@ -26,11 +26,9 @@ Roofline, per batch size (steady-state decode: every slot live, no prefill in th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,7 +36,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from c2jax.machine import describe, finish, summary_line  # noqa: E402
+from c2jax.bench_report import Col, render_table, write_results  # noqa: E402
+from c2jax.machine import describe  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, cache_bytes_per_token  # noqa: E402
 from c2jax.models.inference.forward import unstack  # noqa: E402
@@ -279,37 +278,29 @@ def main(argv=None) -> int:
         if peak is not None:
             roofline.append(decode_roofline(model, prompts, args.new, args.chunk_steps, peak))
 
-    print(f"\nsmall preset, prompt {args.prompt}, new {args.new}, fp32, {jax.devices()[0].platform}")
-    print(f"medians of {args.repeats} alternated runs; ratios are medians of the per-pair ratios")
-    print(f"{'batch':>5} | {'c2jax tok/s':>11} {'ttft s':>8} | {'HF tok/s':>9} {'ttft s':>8} | {'speedup':>7} "
-          f"{'ttft/HF':>7}")
-    nan = float("nan")
-    for r in rows:
-        hf = r["hf"] or {"tokens_per_s": nan, "ttft_s": nan}
-        print(f"{r['batch']:>5} | {r['c2jax']['tokens_per_s']:>11.1f} {r['c2jax']['ttft_s']:>8.3f} | "
-              f"{hf['tokens_per_s']:>9.1f} {hf['ttft_s']:>8.3f} | {(r['speedup'] or nan):>6.2f}x "
-              f"{(r['ttft_ratio'] or nan):>6.2f}x")
+    notes = []
     if roofline:
-        print(f"\ndecode roofline (steady state; fp32 GEMM peak measured {peak / 1e9:.0f} GFLOP/s)")
-        print(f"{'batch':>5} | {'step ms':>7} {'MB/step':>8} {'GB/s':>6} {'roof GB/s':>9} {'MBU':>5} | "
-              f"{'GFLOP/s':>7} {'MFU':>5} | {'host %':>6} | distinct experts/layer")
-        for r in roofline:
-            print(f"{r['batch']:>5} | {r['step_ms']:>7.2f} {r['bytes_per_step'] / 1e6:>8.1f} "
-                  f"{r['achieved_gb_s']:>6.1f} {r['bandwidth']['roofline_gb_s']:>9.1f} {r['mbu']:>5.0%} | "
-                  f"{r['achieved_gflop_s']:>7.1f} {r['mfu']:>5.1%} | {100 * r['host_fraction']:>6.1f} | "
-                  + " ".join(f"{x:.1f}" for x in r["distinct_experts_per_layer"]))
-    print(f"cache bytes/token (fp32, all layers): latent {latent}, expanded K/V {expanded} "
-          f"({expanded / latent:.1f}x larger)")
-    print(f"machine: {summary_line(finish(machine))}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new, "chunk_steps": args.chunk_steps,
-        "repeats": args.repeats,
-        "machine": machine,
-        "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded}, "rows": rows,
-        "gemm_peak_gflop_s": None if peak is None else peak / 1e9, "roofline": roofline}, indent=2))
-    print(f"wrote {out}")
+        notes.append("\n" + render_table(roofline, [
+            "batch", ("step_ms", "step ms", ".2f"), Col("bytes_per_step", "MB/step", ".1f", scale=1e-6),
+            ("achieved_gb_s", "GB/s", ".1f"), ("bandwidth.roofline_gb_s", "roof GB/s", ".1f"), ("mbu", "MBU", ".0%"),
+            ("achieved_gflop_s", "GFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
+            Col("host_fraction", "host %", ".1f", scale=100),
+            Col("distinct_experts_per_layer", "distinct experts/layer", lambda xs: " ".join(f"{x:.1f}" for x in xs))],
+            title=f"decode roofline (steady state; fp32 GEMM peak measured {peak / 1e9:.0f} GFLOP/s)"))
+    notes.append(f"cache bytes/token (fp32, all layers): latent {latent}, expanded K/V {expanded} "
+                 f"({expanded / latent:.1f}x larger)")
+    print()
+    write_results(args.out, rows, columns=[
+        "batch", ("c2jax.tokens_per_s", "c2jax tok/s", ".1f"), ("c2jax.ttft_s", "ttft s", ".3f"),
+        ("hf.tokens_per_s", "HF tok/s", ".1f"), ("hf.ttft_s", "ttft s", ".3f"), ("speedup", "speedup", "{:.2f}x"),
+        ("ttft_ratio", "ttft/HF", "{:.2f}x")],
+        title=f"small preset, prompt {args.prompt}, new {args.new}, fp32, {jax.devices()[0].platform}; medians "
+              f"of {args.repeats} alternated runs; ratios are medians of the per-pair ratios",
+        notes=notes, machine=machine,
+        meta={"preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new,
+              "chunk_steps": args.chunk_steps, "repeats": args.repeats,
+              "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded},
+              "gemm_peak_gflop_s": None if peak is None else peak / 1e9, "roofline": roofline})
     return 0
 
 

@@ -20,7 +20,6 @@ appending a function.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -32,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from c2jax.machine import describe, finish, summary_line
+from c2jax.bench_report import write_results
+from c2jax.machine import describe
 from c2jax.rl.harness.registry import ToolCall, ToolContext
 from c2jax.rl.harness.tools import default_registry
 from c2jax.rl.sandbox import Limits, SandboxPool, find_bwrap
@@ -188,20 +188,15 @@ SECTIONS: list[Callable[[Bench], dict]] = [section_start, section_exec, section_
                                            section_tools, section_grading]
 
 
-def _print_table(results: dict) -> None:
+def _table_rows(results: dict) -> list[dict]:
+    """One row per measurement: section, measure, its figures as `k=v` pairs."""
     rows = []
     for sec, res in results.items():
-        if not isinstance(res, dict):
-            continue
         for key, val in res.items():
             if isinstance(val, dict):
-                rows.append((sec, key, ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                                for k, v in val.items())))
-            else:
-                rows.append((sec, key, str(val)))
-    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
-    for r in rows:
-        print(f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]}")
+                val = ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items())
+            rows.append({"section": sec, "measure": key, "value": str(val)})
+    return rows
 
 
 def main() -> None:
@@ -209,17 +204,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--out", default="runs/bench/env_throughput.json")
     args = ap.parse_args()
-    results: dict = {"machine": describe()}
+    machine = describe()
+    results: dict = {}
     with tempfile.TemporaryDirectory(prefix="env-bench-") as tmp, SandboxPool(limits=Limits()) as pool:
         bench = Bench(pool=pool, repo=make_repo(Path(tmp)), repeats=args.repeats)
         for section in SECTIONS:
             results[section.__name__.removeprefix("section_")] = section(bench)
-    finish(results["machine"])
-    _print_table(results)
-    print(f"machine: {summary_line(results['machine'])}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, _table_rows(results), columns=["section", "measure", "value"], meta=results,
+                  machine=machine, rows_key=None)
 
 
 if __name__ == "__main__":

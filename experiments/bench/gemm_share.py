@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         row = one_batch(args.one_batch, args.prompt, args.new, args.repeats, os.environ["C2JAX_GEMM_SHARE_DUMP"])
         print("ROW " + json.dumps(row), flush=True)
         return 0
-    from c2jax.machine import describe, finish, summary_line
+    from c2jax.bench_report import write_results
+    from c2jax.machine import describe
 
     machine = describe()
     rows = []
@@ -193,22 +194,15 @@ def main(argv=None) -> int:
             raise RuntimeError(f"batch {batch} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(lines[-1][4:]))
         print(rows[-1], flush=True)
-    print(f"\nsmall preset, fp32, prompt {args.prompt}, new {args.new}; one TTFT generation + one full generation, "
-          f"median of {args.repeats} alternated runs")
-    print(f"{'batch':>5} | {'c2jax wall':>10} {'GEMM s':>7} {'share':>6} | {'HF wall':>8} {'GEMM s':>7} {'share':>6} | "
-          f"{'speed-up':>8} {'bound':>6}")
-    for r in rows:
-        c, h = r["c2jax"], r["hf"]
-        print(f"{r['batch']:>5} | {c['wall_s']:>10.3f} {c['gemm_s']:>7.3f} {c['gemm_share']:>6.0%} | "
-              f"{h['wall_s']:>8.3f} {h['gemm_s']:>7.3f} {h['gemm_share']:>6.0%} | {r['speedup']:>7.2f}x "
-              f"{r['bound']:>5.2f}x")
-    machine = finish(machine)
-    print(f"machine: {summary_line(machine)}")
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new,
-                                "machine": machine, "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    print()
+    write_results(args.out, rows, columns=[
+        "batch", ("c2jax.wall_s", "c2jax wall s", ".3f"), ("c2jax.gemm_s", "GEMM s", ".3f"),
+        ("c2jax.gemm_share", "share", ".0%"), ("hf.wall_s", "HF wall s", ".3f"), ("hf.gemm_s", "GEMM s", ".3f"),
+        ("hf.gemm_share", "share", ".0%"), ("speedup", "speed-up", "{:.2f}x"),
+        ("bound", "bound", "{:.2f}x")],
+        title=f"small preset, fp32, prompt {args.prompt}, new {args.new}; one TTFT generation + one full "
+              f"generation, median of {args.repeats} alternated runs",
+        meta={"preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new}, machine=machine)
     return 0
 
 

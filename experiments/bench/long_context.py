@@ -15,18 +15,17 @@ runs/bench/long_context.json (with the machine it ran on).
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from c2jax.bench_report import Col, write_results
 from c2jax.config import apply_overrides, from_dict, to_dict
-from c2jax.machine import describe, finish, summary_line
+from c2jax.machine import describe
 from c2jax.models.config import ModelConfig, preset
 from c2jax.models.flops import param_counts, training_flops_per_token
 from c2jax.models.transformer import init
@@ -94,15 +93,14 @@ def main(argv=None) -> dict:
         for seq in (int(s) for s in args.seqs.split(",")):
             row = measure(args.preset, seq, remat, args.steps, args.mtp, tuple(args.model_set))
             rows.append(row)
-            print(f"{row['params'] / 1e6:5.1f}M  S={seq:6d} remat={remat:5s} compile {row['compile_s']:6.1f} s  "
-                  f"temp {row['temp_bytes'] / 2**30:6.2f} "
-                  f"GiB  peak RSS {row['peak_rss_gib']:5.2f} GiB  {row['tokens_per_s']:7.1f} tokens/s  "
-                  f"{row['model_flops_per_s'] / 1e9:6.1f} GFLOP/s", flush=True)
-    print(f"machine: {summary_line(finish(machine))}")
+            print(f"S={seq} remat={remat}: compile {row['compile_s']:.1f} s, {row['tokens_per_s']:.1f} tokens/s",
+                  flush=True)
+    write_results(args.out, rows, columns=[
+        Col("params", "params M", ".1f", scale=1e-6), ("seq", "S"), "remat", ("compile_s", "compile s", ".1f"),
+        Col("temp_bytes", "temp GiB", ".2f", scale=2**-30), ("peak_rss_gib", "peak RSS GiB", ".2f"),
+        ("tokens_per_s", "tokens/s", ".1f"), Col("model_flops_per_s", "GFLOP/s", ".1f", scale=1e-9)],
+        meta={"preset": args.preset}, machine=machine, indent=1)
     out = {"preset": args.preset, "rows": rows, "machine": machine}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
     return out
 
 

@@ -11,8 +11,6 @@ matmul peak. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -22,7 +20,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from c2jax.machine import describe, finish, summary_line
+from c2jax.bench_report import write_results
+from c2jax.machine import describe
 from c2jax.models.config import ModelConfig, preset
 from c2jax.models.flops import training_flops_per_token
 from c2jax.models.transformer import init
@@ -162,24 +161,19 @@ def main(argv=None):
     result = {
         "preset": args.preset, "batch": args.batch, "seq": args.seq, "moe_impl": cfg.moe_impl,
         "scan_layers": cfg.scan_layers, "tokens_per_step": tokens_per_step, "train_flops_per_token": flops_per_token,
-        "matmul_peak_flops": peak, "machine": finish(machine), "torch_threads": torch_threads, "results": rows,
+        "matmul_peak_flops": peak, "torch_threads": torch_threads, "results": rows,
     }
     if "hf" in rows:
         result["speedup_vs_hf"] = rows["c2jax"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
 
     print(f"model_throughput: preset={args.preset} batch={args.batch}x{args.seq} "
           f"peak f32 matmul {peak / 1e9:.1f} GFLOP/s, {flops_per_token / 1e6:.1f} MFLOP/token")
-    print(f"{'impl':<8}{'step s':>10}{'best s':>9}{'tokens/s':>12}{'MFU':>8}{'best MFU':>10}{'first step s':>14}")
-    for name, row in rows.items():
-        print(f"{name:<8}{row['step_s_median']:>10.3f}{row['step_s_min']:>9.3f}{row['tokens_per_s']:>12.0f}"
-              f"{row['mfu']:>8.1%}{row['mfu_best_step']:>10.1%}{row['first_step_s']:>14.1f}")
-    if "speedup_vs_hf" in result:
-        print(f"c2jax / hf tokens/s: {result['speedup_vs_hf']:.2f}x")
-    print(f"machine: {summary_line(machine)}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_results(args.out, [{"impl": name, **row} for name, row in rows.items()], columns=[
+        "impl", ("step_s_median", "step s", ".3f"), ("step_s_min", "best s", ".3f"),
+        ("tokens_per_s", "tokens/s", ".0f"),
+        ("mfu", "MFU", ".1%"), ("mfu_best_step", "best MFU", ".1%"), ("first_step_s", "first step s", ".1f")],
+        meta=result, machine=machine, rows_key=None,
+        notes=[f"c2jax / hf tokens/s: {result['speedup_vs_hf']:.2f}x"] if "speedup_vs_hf" in result else ())
     return result
 
 

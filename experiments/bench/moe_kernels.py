@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -23,13 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from c2jax.bench_report import print_table, write_results
 from c2jax.kernels import dispatch
 from c2jax.kernels.fp8_deepseek import quantize_fp8_tiles
 from c2jax.kernels.grouped_gemm import grouped_matmul
 from c2jax.kernels.mxfp8 import quantize_mx
 from c2jax.kernels.nvfp4 import quantize_nvfp4
 from c2jax.kernels.permute import permute_quantize_mx
-from c2jax.machine import describe, finish, summary_line
+from c2jax.machine import describe
 
 PEAK_TFLOPS = {"H100": (989, 1979), "H200": (989, 1979), "B200": (2250, 4500)}  # (bf16, fp8) dense
 
@@ -122,7 +122,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/bench/moe_kernels.json")
     args = p.parse_args(argv)
-    report = {"backend": jax.default_backend(), "machine": describe(),
+    machine = describe()
+    report = {"backend": jax.default_backend(),
               "candidates": [i.name for i, _ in dispatch.candidates("grouped_matmul")]}
     shape = dict(rows=args.rows, d=args.d, f=args.f, experts=args.experts)
     report["cpu_shape"] = shape
@@ -131,20 +132,16 @@ def main(argv=None):
     report["quantizers"] = quantizer_section(args.rows, args.d, args.repeats)
     if jax.default_backend() == "gpu":
         report["gpu"] = gpu_section(args.repeats)
-    print(f"grouped GEMM {shape} float32 on {report['backend']}:")
-    for name, v in report["grouped_gemm_f32"].items():
-        print(f"  {name:12s} " + (f"{v['ms']:8.2f} ms {v['gflops']:8.1f} GFLOP/s  {v['vs_dense']:5.2f}x dense"
-                                  if isinstance(v, dict) else v))
-    print("quantizers (bf16 input):")
-    for name, v in report["quantizers"].items():
-        print(f"  {name:24s} {v['ms']:8.2f} ms {v['GB/s_read']:7.2f} GB/s read")
-    if "gpu" in report:
-        print(json.dumps(report["gpu"], indent=1))
-    print(f"machine: {summary_line(finish(report['machine']))}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(report, fh, indent=1)
-    print(f"wrote {args.out}")
+    gemm = [{"impl": name, **v, "note": ""} if isinstance(v, dict) else  # a skipped impl: its reason
+            {"impl": name, "ms": None, "gflops": None, "vs_dense": None, "note": v}
+            for name, v in report["grouped_gemm_f32"].items()]
+    print_table(gemm, ["impl", ("ms", "ms", ".2f"), ("gflops", "GFLOP/s", ".1f"), ("vs_dense", "x dense", ".2f"),
+                       "note"],
+                title=f"grouped GEMM {shape} float32 on {report['backend']}")
+    write_results(args.out, [{"quantizer": name, **v} for name, v in report["quantizers"].items()],
+                  columns=["quantizer", ("ms", "ms", ".2f"), ("GB/s_read", "GB/s read", ".2f")],
+                  title="quantizers (bf16 input)", meta=report, machine=machine, rows_key=None, indent=1,
+                  notes=[json.dumps(report["gpu"], indent=1)] if "gpu" in report else ())
     return report
 
 

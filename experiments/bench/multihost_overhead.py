@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from c2jax.machine import describe, finish, summary_line
+from c2jax.bench_report import Col, write_results
+from c2jax.machine import describe
 from c2jax.models.config import preset
 from c2jax.train.metrics import read_metrics
 
@@ -110,18 +111,18 @@ def main(argv=None):
                 times[procs] += steps
                 print(f"{procs} process(es), repeat {r}: median step {statistics.median(steps) * 1e3:.1f} ms "
                       f"({time.perf_counter() - t:.0f} s in all)", flush=True)
-    finish(machine)
     one, two = statistics.median(times[1]), statistics.median(times[2])
     result = dict(preset=args.preset, seq=args.seq, batch=args.batch, steps=args.steps, warmup=args.warmup,
                   mesh="data=2 x fsdp=4", step_s={"1x8": times[1], "2x4": times[2]},
-                  median_step_s={"1x8": one, "2x4": two}, overhead_s=two - one, ratio=two / one, machine=machine)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{args.preset}, {args.batch} x {args.seq} tokens per step, mesh data=2 x fsdp=4 (8 CPU devices)")
-    print(f"  1 process  x 8 devices: median step {one * 1e3:.1f} ms over {len(times[1])} steps")
-    print(f"  2 processes x 4 devices: median step {two * 1e3:.1f} ms over {len(times[2])} steps")
-    print(f"  overhead: {(two - one) * 1e3:+.1f} ms per step ({two / one:.2f}x)")
-    print(f"  machine: {summary_line(machine)}")
+                  median_step_s={"1x8": one, "2x4": two}, overhead_s=two - one, ratio=two / one)
+    table = [{"layout": f"{procs} process(es) x {8 // procs} devices", "median_step_s": statistics.median(times[procs]),
+              "steps": len(times[procs])} for procs in (1, 2)]
+    write_results(args.out, table, columns=["layout", Col("median_step_s", "median step ms", ".1f", scale=1e3),
+                                             "steps"],
+                  title=f"{args.preset}, {args.batch} x {args.seq} tokens per step, mesh data=2 x fsdp=4 "
+                        "(8 CPU devices)",
+                  notes=[f"overhead: {(two - one) * 1e3:+.1f} ms per step ({two / one:.2f}x)"], meta=result,
+                  machine=machine, rows_key=None, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,19 +20,18 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import argparse
 import dataclasses
-import json
 import re
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from c2jax.bench_report import Col, write_results
 from c2jax.config import MeshConfig
-from c2jax.machine import describe, finish, summary_line
+from c2jax.machine import describe
 from c2jax.mesh import activation_rules, batch_shardings, jit_sharded, make_mesh, place_on_mesh, shard_state
 from c2jax.models.config import preset
 from c2jax.models.transformer import init
@@ -112,6 +111,10 @@ def run_mesh(cfg, sizes: dict, steps: int, seq: int, batch_size: int):
             "comm_bytes_per_device": comm, "comm_total_mb": sum(comm.values()) / 1e6}
 
 
+def _mesh_str(mesh: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in mesh.items())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
@@ -129,16 +132,15 @@ def main(argv=None) -> int:
         for sizes in meshes:
             r = run_mesh(cfg, sizes, args.steps, args.seq, args.batch)
             rows.append(r)
-            mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
-            kinds = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in r["comm_bytes_per_device"].items()) or "-"
-            print(f"{r['devices']:>3}  {mesh:<28} {r['step_s'] * 1e3:9.1f} ms  {r['tokens_per_s']:9.0f} tok/s  "
-                  f"comm {r['comm_total_mb']:8.1f} MB/device  ({kinds})", flush=True)
-    print(f"machine: {summary_line(finish(machine))}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": jax.default_backend(), "preset": "small", "seq": args.seq,
-                               "global_batch": args.batch, "results": rows, "machine": machine}, indent=2))
-    print(f"wrote {out}")
+            print(f"{r['devices']} devices, {_mesh_str(r['mesh'])}: {r['step_s'] * 1e3:.1f} ms a step", flush=True)
+    write_results(args.out, rows, columns=[
+        "devices", Col("mesh", fmt=_mesh_str),
+        Col("step_s", "step ms", ".1f", scale=1e3), ("tokens_per_s", "tokens/s", ".0f"),
+        ("comm_total_mb", "comm MB/device", ".1f"),
+        Col("comm_bytes_per_device", "by kind (MB)",
+            lambda c: ", ".join(f"{k} {v / 1e6:.1f}" for k, v in c.items()) or "-")],
+        meta={"backend": jax.default_backend(), "preset": "small", "seq": args.seq, "global_batch": args.batch},
+        rows_key="results", machine=machine)
     return 0
 
 

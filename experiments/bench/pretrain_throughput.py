@@ -10,17 +10,16 @@ training_flops_per_token over the device's datasheet bf16 peak, or on CPU the me
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 
+from c2jax.bench_report import write_results
 from c2jax.config import from_dict, to_dict
 from c2jax.data.config import DataConfig
 from c2jax.data.pipeline import build_batches
-from c2jax.machine import describe, finish, summary_line
+from c2jax.machine import describe
 from c2jax.models.config import preset
 from c2jax.train.config import PretrainConfig
 from c2jax.train.loop import Trainer
@@ -72,21 +71,15 @@ def main(argv=None):
         "preset": args.preset, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
         "device": jax.devices()[0].device_kind, "loop_tokens_per_s": loop_tps, "mfu": mfu,
         "warmup_s": compile_s, "data_tokens_per_s": data_tps, "data_over_model": data_tps / loop_tps,
-        "final_loss": rows[-1]["loss"], "machine": finish(machine),
+        "final_loss": rows[-1]["loss"],
     }
-    print(f"| {'measure':<34} | {'value':>12} |\n|{'-' * 36}|{'-' * 14}|")
-    for name, key, fmt in [("train loop tokens/s (data incl.)", "loop_tokens_per_s", "{:12.0f}"),
-                           ("MFU", "mfu", "{:12.4f}"),
-                           ("data pipeline alone tokens/s", "data_tokens_per_s", "{:12.0f}"),
-                           ("data / model token rate", "data_over_model", "{:11.1f}x"),
-                           ("warmup (compile) s", "warmup_s", "{:12.1f}")]:
-        print(f"| {name:<34} | {fmt.format(result[key]):>12} |")
+    measures = [("train loop tokens/s (data incl.)", f"{loop_tps:,.0f}"), ("MFU", f"{mfu:.4f}"),
+                ("data pipeline alone tokens/s", f"{data_tps:,.0f}"),
+                ("data / model token rate", f"{data_tps / loop_tps:.1f}x"), ("warmup (compile) s", f"{compile_s:.1f}")]
     ok = result["data_over_model"] >= 10
-    print(f"data pipeline >= 10x the model's token rate: {'yes' if ok else 'NO'}")
-    print(f"machine: {summary_line(machine)}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, [{"measure": m, "value": v} for m, v in measures], columns=["measure", "value"],
+                  meta=result, machine=machine, rows_key=None,
+                  notes=[f"data pipeline >= 10x the model's token rate: {'yes' if ok else 'NO'}"])
     return 0 if ok else 1
 
 

@@ -37,7 +37,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from c2jax.machine import describe, finish, summary_line  # noqa: E402
+from c2jax.bench_report import Col, write_results  # noqa: E402
+from c2jax.machine import describe  # noqa: E402
 from c2jax.models.config import preset  # noqa: E402
 from c2jax.models.inference import EngineConfig, InferenceEngine, Request, init_cache  # noqa: E402
 from c2jax.models.inference.forward import init_mtp_cache, unstack  # noqa: E402
@@ -218,28 +219,23 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(row, flush=True)
     pays = [r["batch"] for r in rows if r["speedup"] > 1.0]
-    print(f"\nsmall preset, fp32, {jax.devices()[0].platform}, MTP trained {args.train_steps} steps "
-          f"(train mtp_acceptance {train_metrics.get('mtp_acceptance', float('nan')):.3f}), "
-          f"prompt {args.prompt}, new {args.new}")
-    print(f"{'batch':>5} {'T':>4} {'k':>2} | {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} | "
-          f"{'auto tok/s':>10} {'auto/best':>9} {'auto spec%':>10} | "
-          f"{'accept':>6} {'tok/round':>9} | {'round/step':>10} {'tok/round / (round/step)':>24}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['temperature']:>4.1f} {r['k']:>2} | {r['plain_tokens_per_s']:>11.1f} "
-              f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x | {r['auto_tokens_per_s']:>10.1f} "
-              f"{r['auto_over_best']:>8.2f}x {100 * r['auto_spec_chunk_share']:>9.0f}% | {r['acceptance']:>6.2f} "
-              f"{r['tokens_per_round']:>9.2f} | {r['round_over_plain_step']:>10.2f} "
-              f"{r['tokens_per_round'] / r['round_over_plain_step']:>24.2f}")
-    print(f"largest batch where some k paid: {max(pays) if pays else None}")
-    machine = finish(machine)
-    print(f"machine: {summary_line(machine)}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new, "chunk_steps": args.chunk_steps,
-        "train_steps": args.train_steps, "branching": args.branching, "train_metrics": train_metrics,
-        "machine": machine, "rows": rows, "largest_batch_that_paid": max(pays) if pays else None}, indent=2))
-    print(f"wrote {out}")
+    paid = max(pays) if pays else None
+    print()
+    write_results(args.out, rows, title=f"small preset, fp32, {jax.devices()[0].platform}, MTP trained "
+                  f"{args.train_steps} steps (train mtp_acceptance "
+                  f"{train_metrics.get('mtp_acceptance', float('nan')):.3f}), prompt {args.prompt}, new {args.new}",
+                  columns=[
+        "batch", ("temperature", "T", ".1f"), "k", ("plain_tokens_per_s", "plain tok/s", ".1f"),
+        ("spec_tokens_per_s", "spec tok/s", ".1f"), ("speedup", "speed-up", "{:.2f}x"),
+        ("auto_tokens_per_s", "auto tok/s", ".1f"), ("auto_over_best", "auto/best", "{:.2f}x"),
+        ("auto_spec_chunk_share", "auto spec%", ".0%"), ("acceptance", "accept", ".2f"),
+        ("tokens_per_round", "tok/round", ".2f"), ("round_over_plain_step", "round/step", ".2f"),
+        Col("tokens_per_round", "tok/round / (round/step)", ".2f",
+            lambda r: r["tokens_per_round"] / r["round_over_plain_step"])],
+        notes=[f"largest batch where some k paid: {paid}"], machine=machine,
+        meta={"preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new,
+              "chunk_steps": args.chunk_steps, "train_steps": args.train_steps, "branching": args.branching,
+              "train_metrics": train_metrics, "largest_batch_that_paid": paid})
     return 0
 
 

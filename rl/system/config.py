@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from c2jax.config import ConfigError, MeshConfig, load
+from c2jax.config import ConfigError, MeshConfig
 from c2jax.models.config import ModelConfig
 from c2jax.models.inference.engine import EngineConfig
 from c2jax.rl.config import RLConfig
@@ -265,8 +265,3 @@ class RLSystemConfig:
         return (self.system.router_replay and self.model.num_moe_layers > 0 and self.backend.policy == "engine"
                 and self.backend.learner == "rl")
 
-
-# Kept only while experiments/bench/async_vs_sync.py calls it; everything else calls
-# c2jax.config.load(RLSystemConfig, source, overrides) and c2jax.config.save(cfg, run_dir).
-def load_system_config(source=None, overrides=()) -> RLSystemConfig:
-    return load(RLSystemConfig, source, overrides)

@@ -25,7 +25,7 @@ import matplotlib
 import numpy as np
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
               "base_eval_loss": base["evals"][-1]["eval_loss/docs"] if base["evals"] else None, "runs": runs,
               # the report's claim in one number: does lower post-SFT loss order the RL rewards?
               "spearman_sft_loss_vs_rl_reward": _spearman(x, y) if len(runs) > 2 else None}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     write_tensorboard(out / "tb", runs)
     plot(out / "cpt_compute_to_rl.png", runs)
     return result

@@ -14,7 +14,6 @@ Variants (`variant:` in the config):
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tensorboardX import SummaryWriter
 from c2jax.config import load
 from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.reconciler import run_system
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     train = [{"step": r["step"], "reward": r["reward/mean"]} for r in out["history"]]
     result = {"git_commit": git_commit(), "variant": variant, "config": raw, "demo_config": demo_cfg,
               "eval": evals, "train": train, "wall_s": out.get("wall_s")}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out_dir, result, args.machine)
     with SummaryWriter(str(out_dir / "tb")) as tb:
         for row in evals:
             for key in sorted({"avg@1", f"pass@{hk}", f"best_of_{hk}", f"pass@{k}", f"best_of_{k}"}):

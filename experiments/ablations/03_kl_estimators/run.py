@@ -6,7 +6,6 @@ q = N(0, 1) samples x; p = N(mu, 1) is the reference; KL(q || p) = mu^2 / 2 in c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 from c2jax.rl.kl import kl_estimate
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"git_commit": git_commit(), "config": cfg | {"samples": samples}, "rows": rows}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     with SummaryWriter(str(out / "tb")) as tb:
         for i, row in enumerate(rows):
             for est in ("k1", "k2", "k3"):

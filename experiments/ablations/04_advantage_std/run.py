@@ -9,7 +9,6 @@ and the mean |advantage| that groups with no correctness spread receive (pure no
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -24,7 +23,7 @@ from c2jax.rl.advantages import group_advantages
 from c2jax.rl.config import AdvantageConfig, LossConfig, RLConfig
 from c2jax.rl.learner import init_rl_state, make_optimizer, make_rl_step
 from c2jax.rl.toy import make_full_forward_sampler, single_turn_batch
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"git_commit": git_commit(), "config": raw, "summary": summarize(runs), "runs": runs}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     with SummaryWriter(str(out / "tb")) as tb:
         for r in runs:
             tag = f"{'std_on' if r['std_normalize'] else 'std_off'}/seed{r['seed']}"

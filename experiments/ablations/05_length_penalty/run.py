@@ -6,7 +6,6 @@ what concavity does to the price of one more tool call as a trajectory grows.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -15,7 +14,7 @@ from tensorboardX import SummaryWriter
 
 from c2jax.rl.config import LengthPenaltyConfig
 from c2jax.rl.length_penalty import concave_length_cost
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"git_commit": git_commit(), "config": cfg | {"points": points}} | measure(cfg, points)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result))
+    write_result(out, result, args.machine)
     with SummaryWriter(str(out / "tb")) as tb:
         for c in result["curves"]:
             for i in range(0, points, max(1, points // 40)):

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 import jax
@@ -23,7 +22,7 @@ import yaml
 from tensorboardX import SummaryWriter
 
 from c2jax.kernels import qlinear
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
               "amax_ratio_sweep": sweep,
               "training": train_summary,
               "curves": {r: {k: v.tolist() for k, v in c.items()} for r, c in curves.items()}}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     with SummaryWriter(str(out / "tb")) as tb:
         for scaling in RECIPES:
             for i, e in enumerate(per_batch[scaling]["probe_relative_error"]):

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 import jax
@@ -22,7 +21,7 @@ import yaml
 from tensorboardX import SummaryWriter
 
 from c2jax.kernels import qlinear
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"git_commit": git_commit(), "config": raw, "quantizer": stats, "training": train_summary,
               "curves": {d: {r: {k: v.tolist() for k, v in c.items()} for r, c in cs.items()}
                          for d, cs in curves.items()}}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     with SummaryWriter(str(out / "tb")) as tb:
         for key, s in stats.items():
             tb.add_scalar(f"quantizer/elements_differing_fraction/{key}", s["elements_differing_fraction"], 0)

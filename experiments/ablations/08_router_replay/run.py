@@ -11,7 +11,6 @@ used (`replay_ids`), so only rounding remains. Measured at several points of a s
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -27,7 +26,7 @@ from c2jax.models.transformer import init
 from c2jax.rl.replay import logprob_mismatch, replay_override_fraction
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"git_commit": git_commit(), "config": raw, "rows": rows}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     write_tensorboard(out / "tb", rows)
     plot(out / "router_replay.png", rows)
     return result

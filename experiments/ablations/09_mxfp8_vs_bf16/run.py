@@ -16,7 +16,6 @@ BF16 mean final loss.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -31,7 +30,7 @@ from c2jax.models.config import ModelConfig, preset
 from c2jax.models.transformer import Transformer
 from c2jax.train.step import init_train_state, make_train_step
 from c2jax.train.synthetic import MarkovSource
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(raw, curves)
     result = {"git_commit": git_commit(), "config": raw, "summary": summary,
               "curves": {r: {k: v.tolist() for k, v in c.items()} for r, c in curves.items()}}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     write_tensorboard(out / "tb", curves, raw["seeds"])
     plot(out / "mxfp8_vs_bf16.png", curves, f"({len(raw['seeds'])} seeds)")
     for recipe, s in summary.items():

@@ -8,14 +8,13 @@ the steady state (the first max_staleness + 2 steps, start-up and compilation, a
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 import matplotlib
 from tensorboardX import SummaryWriter
 
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 from experiments.bench.async_vs_sync import measure
 
 matplotlib.use("Agg")
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"git_commit": git_commit(), "config": raw, "rows": rows}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_result(out, result, args.machine)
     with SummaryWriter(str(out / "tb")) as tb:
         for row in rows:
             tag = f"delay{row['env_delay_s']}_sigma{row['delay_sigma']:g}"

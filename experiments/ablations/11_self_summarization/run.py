@@ -30,7 +30,7 @@ from c2jax.rl.harness.chat_format import parse_assistant_text, render_tool_call
 from c2jax.rl.tasks import grade, load_task
 from c2jax.rl.tasks.build import sandbox_factory
 from c2jax.rl.tasks.long_horizon import build_chain_tasks
-from experiments.ablations.provenance import ablation_args, git_commit
+from experiments.ablations.provenance import ablation_args, git_commit, write_result
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    write_result(out, result, args.machine, indent=1)
     with SummaryWriter(str(out / "tb")) as tb:
         for r in rows:
             for key in ("success_rate", "mean_sampled_tokens", "mean_total_tokens", "mean_peak_context",

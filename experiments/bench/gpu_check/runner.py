@@ -27,6 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from c2jax.bench_report import write_json, write_text
+from c2jax.machine import describe, finish, summary_line
+
 REPO = Path(__file__).resolve().parents[3]
 JSON_NAME, MD_NAME, LOG_NAME = "gpu_check.json", "gpu_check.md", "gpu_check.log"
 DEFAULT_BUDGET_S = 450.0  # the issue's "under 8 minutes" with room for process starts and the report
@@ -213,6 +216,8 @@ def markdown(report: dict) -> str:
     env = report.get("env") or {}
     if env:
         lines += [f"Environment: {_env_line(env)}.", ""]
+    if report.get("machine"):
+        lines += [f"Host: {summary_line(report['machine'])}.", ""]
     lines += ["| # | section | status | s | headline |", "| --- | --- | --- | --- | --- |"]
     for i, s in enumerate(report["sections"], 1):
         status = s["status"] + (f": {s['reason']}" if s.get("reason") and s["status"] != "ok" else "")
@@ -264,12 +269,10 @@ def _summarise_targets(sections: list[dict], dry_run: bool) -> list[dict]:
 
 
 def write_report(report: dict, out_dir: Path) -> None:
+    """gpu_check.json (with the host under "machine") and gpu_check.md, each replaced whole (atomically)."""
     report["targets"] = _summarise_targets(report["sections"], report["dry_run"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in ((JSON_NAME, json.dumps(report, indent=1, default=str)), (MD_NAME, markdown(report))):
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+    write_json(out_dir / JSON_NAME, report, indent=1)
+    write_text(out_dir / MD_NAME, markdown(report))
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -371,7 +374,7 @@ def main(argv=None) -> int:
     shown_argv = ["gpu_check", *(argv if argv is not None else sys.argv[1:])]
     report = {"tool": "experiments.bench.gpu_check", "argv": shown_argv,
               "dry_run": args.dry_run, "started_utc": _now_utc(), "budget_s": budget, "total_s": 0.0,
-              "env": {}, "sections": []}
+              "env": {}, "sections": [], "machine": describe()}
     no_gpu_reason = None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         if args.jobs > 1:
@@ -403,6 +406,7 @@ def main(argv=None) -> int:
             report["total_s"] = round(time.monotonic() - start, 1)
             write_report(report, out_dir)  # after every section: a killed run still leaves its report
     report["total_s"] = round(time.monotonic() - start, 1)
+    finish(report["machine"])
     write_report(report, out_dir)
     print(markdown(report).split("\n## ", 1)[0].split("## Targets")[0])
     for t in report["targets"]:
