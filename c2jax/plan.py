@@ -171,9 +171,10 @@ def _layer_residuals(model: ModelConfig, tokens: int, kv_tokens: int, moe: bool,
 
 
 def _ep_chunks(model: ModelConfig, tokens: int, ep: int) -> int:
-    from c2jax.models.expert_parallel import _token_chunks
+    # lazily, like this module's other model imports: importing c2jax.plan does not load flax
+    from c2jax.models.expert_parallel import token_chunk_count
 
-    return _token_chunks(tokens, model.moe_chunk_tokens) if ep > 1 else 1
+    return token_chunk_count(tokens, model.moe_chunk_tokens) if ep > 1 else 1
 
 
 def plan(model: ModelConfig, mesh: MeshConfig, seq_len: int, global_batch: int, rules=None,

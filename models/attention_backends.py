@@ -11,8 +11,8 @@ arange) and causal. Key j is visible to query i iff (not causal or kv_positions[
 segments or the segment ids are equal); a query that sees no key gets zeros. Returns [B, Sq, H, Dv].
 
     "blockwise"  models/blockwise_attention.py: exact, memory O(S), program size independent of S. Any platform.
-    "dense"      models/attention.py's dot_product_attention (hand-written VJP, saves [B, H, Sq, Sk] fp32
-                 probabilities), fed a dense [B, 1, Sq, Sk] mask built here from the same vectors. The
+    "dense"      models/dense_attention.py's dot_product_attention (hand-written VJP, saves [B, H, Sq, Sk]
+                 fp32 probabilities), fed a dense [B, 1, Sq, Sk] mask built here from the same vectors. The
                  small-S oracle of the tests; never chosen by default except through "auto".
     "auto"       dense when Sq * Sk <= AUTO_DENSE_MAX_SCORES, else blockwise. The CPU default.
     "cudnn"      jax.nn.dot_product_attention(implementation="cudnn"), CUDA GPUs only. See _cudnn for what
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from c2jax.models.blockwise_attention import blockwise_attention
+from c2jax.models.dense_attention import CAUSAL_BLOCK, dot_product_attention
 
 ENV_OVERRIDE = "C2JAX_ATTENTION"
 FALLBACK = "blockwise"  # runs everything; tried after any backend that refuses a call
@@ -139,14 +140,12 @@ def dense_mask(batch, num_q, num_k, *, q_segment_ids=None, kv_segment_ids=None, 
 
 def _dense(q, k, v, *, scale, q_segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
            causal=True):
-    from c2jax.models import attention as mla  # lazily: attention.py will import this module
-
     batch, num_q, num_k = q.shape[0], q.shape[1], k.shape[1]
     mask = dense_mask(batch, num_q, num_k, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       q_positions=q_positions, kv_positions=kv_positions, causal=causal)
     # its causal_block promise (nothing above the diagonal) holds for index-causal masks only
     index_causal = causal and q_positions is None and kv_positions is None and num_q == num_k
-    out = mla.dot_product_attention(q, k, v, mask, scale, causal_block=mla._CAUSAL_BLOCK if index_causal else None)
+    out = dot_product_attention(q, k, v, mask, scale, causal_block=CAUSAL_BLOCK if index_causal else None)
     if index_causal and q_segment_ids is kv_segment_ids:  # self-attention: every row sees itself
         return out
     # dot_product_attention averages all values for a row that sees nothing; the contract is zeros
@@ -192,6 +191,6 @@ def _cudnn(q, k, v, *, scale, q_segment_ids=None, kv_segment_ids=None, q_positio
 
 
 register(Backend("blockwise", blockwise_attention, description="exact FlashAttention-2-style blocks, O(S) memory"))
-register(Backend("dense", _dense, description="models/attention.py dot_product_attention, O(S^2); the oracle"))
+register(Backend("dense", _dense, description="dense_attention.dot_product_attention, O(S^2); the oracle"))
 register(Backend("auto", _auto, description="dense for small Sq*Sk, blockwise otherwise"))
 register(Backend("cudnn", _cudnn, platforms=("gpu",), description="jax.nn.dot_product_attention cuDNN"))

@@ -58,7 +58,8 @@ from jax.ad_checkpoint import checkpoint_name
 #   512:512  14.0 /  43.4 / 151.9 / 510.1     256:512       / 42.6 / 136.5 / 502.9
 #   1024:128 15.1 /  40.9 / 126.3 / 403.8     512:128  15.3 / 41.2 / 137.0 / 449.2
 #   512:256  12.0 /  35.0 / 112.7 / 398.1  <- chosen
-# The dense path (models/attention.py, causal_block 128) on the same shapes: 11.1 / 50.1 / 199.2 / (not run).
+# The dense path (models/dense_attention.py, causal_block 128) on the same shapes: 11.1 / 50.1 / 199.2 /
+# (not run).
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
 

@@ -6,7 +6,7 @@ own tokens, then one of two exchanges moves tokens to the ranks that own their e
 
   allgather   (`moe_ep_impl="allgather"`, runs everywhere, the CPU path) all-gather the EP group's
               tokens, run this rank's experts on every assignment that selects one of them (the sorted
-              dropless dispatch of models/moe.py, other experts' assignments contribute zero), and
+              dropless dispatch of models/moe_dispatch.py, other experts' assignments contribute zero), and
               `psum_scatter` the partial outputs back: each rank receives the sum over the group for its
               own tokens. Bytes moved per rank: (P-1)/P * P*T*d each way, against (P-1)/P * k*T*d for
               an all-to-all; for k >= P the two are comparable (K2.5: k = 8 = EP).
@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from c2jax.models.config import ModelConfig
 from c2jax.models.logical import active_mesh_axes, batch_axes
-from c2jax.models.moe import Routing, dispatch_sorted, route
+from c2jax.models.moe_dispatch import dispatch_sorted
+from c2jax.models.moe_routing import Routing, route
 
 
 def _axis(axes: tuple[str, ...]):
@@ -66,8 +67,8 @@ def moe_expert_parallel(cfg: ModelConfig, x, w_router, bias, gate_up, down, repl
                         route_fn=route):
     """x [B, S, d] -> (routed-expert output [B, S, d], Routing over the B*S tokens), expert-parallel.
 
-    `route_fn(cfg, x_tokens, w_router, bias, replay)` is the router (c2jax.models.moe.route by default), run on
-    each rank's tokens."""
+    `route_fn(cfg, x_tokens, w_router, bias, replay)` is the router (c2jax.models.moe_routing.route by
+    default), run on each rank's tokens."""
     found = expert_parallel_axes()
     mesh, ep_axes = found if found is not None else (token_parallel_mesh(), ())
     if mesh is None:
@@ -119,7 +120,7 @@ def moe_expert_parallel(cfg: ModelConfig, x, w_router, bias, gate_up, down, repl
     return y, Routing(ids.reshape(t, -1), weights.reshape(t, -1), counts, logits.reshape(t, -1))
 
 
-def _token_chunks(num_tokens: int, chunk: int) -> int:
+def token_chunk_count(num_tokens: int, chunk: int) -> int:
     """How many equal chunks to exchange `num_tokens` in: the fewest whose size divides num_tokens and is at
     most `chunk` (1: no chunking, when chunk is 0, num_tokens <= chunk, or only chunks under chunk / 2 fit)."""
     if not chunk or num_tokens <= chunk:
@@ -137,7 +138,7 @@ def _in_token_chunks(cfg: ModelConfig, experts, flat, routing: Routing):
     rank's whole batch, for one more forward of each chunk in the backward. Every rank
     has the same token count, so all take the same number of steps and the collectives line up."""
     num_tokens, d = flat.shape
-    count = _token_chunks(num_tokens, cfg.moe_chunk_tokens)
+    count = token_chunk_count(num_tokens, cfg.moe_chunk_tokens)
     if count == 1:
         return experts(flat, routing)
     size = num_tokens // count

@@ -1,9 +1,9 @@
 """Router replay metrics (Composer 2 sec. 5): how often the plausibility filter overrode the sampler's
 experts, and how far the trainer's logprobs are from the sampler's.
 
-The filter itself lives in `c2jax.models.moe.route` (`ModelConfig.router_replay_filter_ratio`), because it must
-run inside the scanned layer stack; the model returns the experts it actually used, so the firing rate is
-measured by comparing those with what was replayed.
+The filter itself lives in `c2jax.models.moe_routing.route` (`ModelConfig.router_replay_filter_ratio`),
+because it must run inside the scanned layer stack; the model returns the experts it actually used, so the
+firing rate is measured by comparing those with what was replayed.
 """
 
 from __future__ import annotations

@@ -18,6 +18,32 @@ if _OPT_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_OPT_FLAG}=0"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag`: XLA aborts the process on an unknown flag in XLA_FLAGS, and
+    experimental flags come and go between releases, so a short-lived process tries it first (~2 s, once:
+    xdist workers and the processes tests start inherit the result through the environment)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    try:
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, timeout=120,
+                              capture_output=True).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+# XLA:CPU's MLIR fusion emitters spend most of a test's compile in ~500 small kernels per train step; the
+# older elemental emitter compiles the same programs 1.4x faster (a tiny-preset train step, dense MoE: 4.4 ->
+# 3.1 s) to 2-3x (sorted MoE: 10.6-15.3 -> 5.4 s), and the shapes here are too small for its kernels to
+# matter. Tests only: `make demo`, bench and a GPU keep XLA's default. C2JAX_TEST_XLA_PROBED: probed once.
+_EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if not os.environ.get("C2JAX_TEST_XLA_PROBED") and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["C2JAX_TEST_XLA_PROBED"] = "1"
+    if _xla_accepts(_EMITTER_FLAG):
+        os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_EMITTER_FLAG}"
+
 import jax  # noqa: E402
 
 # Many tests compile the same small programs; a persistent cache makes reruns much faster. Set in the

@@ -1,7 +1,8 @@
 """models/blockwise_attention.py and models/attention_backends.py: blockwise attention's forward against an
-independent float64 NumPy masked softmax, its gradients against jax.grad of the dense oracle (models/attention.py,
-through the "dense" backend), no NaN on rows that see nothing, a program size independent of S, and the
-backend registry (override argument, environment, unknown names, fallback on refusal).
+independent float64 NumPy masked softmax, its gradients against jax.grad of the dense oracle
+(models/dense_attention.py, through the "dense" backend), no NaN on rows that see nothing, a program size
+independent of S, and the backend registry (override argument, environment, unknown names, fallback on
+refusal).
 
 Tolerance: relative L2 error <= 1e-5 (fp32 throughout; the two fp32 paths differ only in summation order,
 observed ~1e-7)."""

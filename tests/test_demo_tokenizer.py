@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 def test_sft_prompts_tokenize_to_the_harness_ids(tmp_path):
     from c2jax.rl.harness import ChatRenderer
     from c2jax.rl.harness.chat_format import CHAT_SPECIAL_TOKENS, render_messages_text
-    from c2jax.rl.tasks.ladder import _VALUES
+    from c2jax.rl.tasks.ladder import ANSWER_WORDS
     from experiments.demo.pipeline import DemoConfig, episode_config, ladder, sandbox_factory
     from experiments.demo.tokenizer import conversation_ids, train_chat_tokenizer
     from experiments.demo.transcripts import write_transcripts
@@ -37,4 +37,4 @@ def test_sft_prompts_tokenize_to_the_harness_ids(tmp_path):
     ids = data.encode(lookup_write["prompt"], add_special_tokens=False).ids
     assert renderer.special_ids["<tool_response>"] in ids and renderer.special_ids["<tool_call>"] not in ids
     # trained on the transcripts, every answer word is one token, with or without a leading space
-    assert all(len(data.encode(w).ids) == len(data.encode(" " + w).ids) == 1 for w in _VALUES)
+    assert all(len(data.encode(w).ids) == len(data.encode(" " + w).ids) == 1 for w in ANSWER_WORDS)

@@ -125,3 +125,14 @@ def test_budget_and_section_filter(tmp_path):
     assert [s["status"] for s in report["sections"]] == ["timeout", "skipped"]
     assert report["sections"][1]["reason"].startswith("budget spent")
     assert code == 0  # self-test sections do not fail the run
+
+
+def test_the_driver_and_the_section_table_import_no_jax():
+    """The driver never initialises the GPU itself, and the sections package imports a section's module (and
+    JAX) only when it runs it: in a fresh interpreter neither import loads JAX. Every spec has its section."""
+    code = ("import sys; from experiments.bench.gpu_check import runner; "
+            "from experiments.bench.gpu_check.sections import SECTIONS; "
+            "assert 'jax' not in sys.modules, 'jax was imported'; "
+            "assert set(SECTIONS) == set(runner.SPEC_BY_NAME), set(SECTIONS) ^ set(runner.SPEC_BY_NAME)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -17,7 +17,7 @@ from flax import nnx
 
 from c2jax.models.config import ConfigError, ModelConfig, dtype_name, preset
 from c2jax.models.hf import CheckpointError, CheckpointWarning, from_pretrained, save_pretrained
-from c2jax.models.hf.safetensors_io import _SafetensorsFile
+from c2jax.models.hf.safetensors_io import SafetensorsFile
 from c2jax.models.transformer import init
 
 
@@ -108,7 +108,7 @@ def test_overlapping_tensors(tmp_path):
     _write(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                   "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, b"\0" * 24)
     with pytest.raises(CheckpointError, match=r"x\.safetensors: tensors 'a' and 'b' overlap"):
-        _SafetensorsFile(path)
+        SafetensorsFile(path)
 
 
 def test_index_naming_a_missing_shard(damaged):

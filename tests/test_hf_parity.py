@@ -525,9 +525,9 @@ def test_fp8_checkpoint(tmp_path):
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
 
-    from c2jax.models.hf.safetensors_io import _SafetensorsFile
+    from c2jax.models.hf.safetensors_io import SafetensorsFile
 
-    file = _SafetensorsFile(tmp_path / "fp8" / "model.safetensors")
+    file = SafetensorsFile(tmp_path / "fp8" / "model.safetensors")
     key = "model.layers.0.mlp.gate_proj.weight"  # [136, 32]: two block rows, the second partial
     assert file.entries[key]["dtype"] == "F8_E4M3" and file.shape(key) == (136, 32)
     assert file.shape(key + "_scale_inv") == (2, 1)

@@ -383,8 +383,9 @@ def test_moe_quant_config_validation():
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd"])
 def test_quantized_sorted_dispatch_matches_fake_quantized_reference(recipe):
-    from c2jax.models import moe
+    from c2jax.models import moe_dispatch
     from c2jax.models.config import ModelConfig
+    from c2jax.models.moe_routing import Routing
 
     cfg = ModelConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
                       moe_quant=recipe)
@@ -395,22 +396,22 @@ def test_quantized_sorted_dispatch_matches_fake_quantized_reference(recipe):
     down = jnp.asarray(rng.standard_normal((e, f, d)) / 6, jnp.float32)
     ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.2, 1.0, (t, k)), jnp.float32)
-    routing = moe.Routing(ids, weights, None, None)
+    routing = Routing(ids, weights, None, None)
     r = qlinear.get_recipe(recipe)
 
-    plan = moe._plan(ids, e)
-    buckets = moe.capacity_buckets(cfg, t)
-    capacity = buckets[int(moe._bucket_index(buckets, plan.counts, e))]
-    slot, src = moe._slots(plan, capacity, e)
+    plan = moe_dispatch._plan(ids, e)
+    buckets = moe_dispatch.capacity_buckets(cfg, t)
+    capacity = buckets[int(moe_dispatch._bucket_index(buckets, plan.counts, e))]
+    slot, src = moe_dispatch._slots(plan, capacity, e)
 
     def reference(x, weights, gate_up, down):
-        h = moe._pad_row(x)[src // k].reshape(e, capacity, d)
+        h = moe_dispatch._pad_row(x)[src // k].reshape(e, capacity, d)
         gu = qlinear.quantized_bmm(h, gate_up, r)
         out = qlinear.quantized_bmm(jax.nn.silu(gu[..., :f]) * gu[..., f:], down, r)
         return jnp.einsum("tkd,tk->td", out.reshape(e * capacity, d)[slot].reshape(t, k, d), weights)
 
     def model(x, weights, gate_up, down):
-        return moe.dispatch_sorted(cfg, x, routing._replace(weights=weights), gate_up, down)
+        return moe_dispatch.dispatch_sorted(cfg, x, routing._replace(weights=weights), gate_up, down)
 
     dy = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     value_and_vjp = lambda fn: jax.jit(lambda *a: (lambda y, vjp: (y, vjp(dy)))(*jax.vjp(fn, *a)))
@@ -420,7 +421,8 @@ def test_quantized_sorted_dispatch_matches_fake_quantized_reference(recipe):
     for g, g_ref in zip(grads, grads_ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=2e-4, atol=2e-4)
     # and the unquantized path is the plain model (jitted: one compile, not one per eager op)
-    y_bf16 = jax.jit(lambda *a: moe.dispatch_sorted(cfg.replace(moe_quant="bf16"), *a))(x, routing, gate_up, down)
+    bf16 = jax.jit(lambda *a: moe_dispatch.dispatch_sorted(cfg.replace(moe_quant="bf16"), *a))
+    y_bf16 = bf16(x, routing, gate_up, down)
     assert 0 < float(jnp.linalg.norm(y - y_bf16) / jnp.linalg.norm(y_bf16)) < 0.3
 
 

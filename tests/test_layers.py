@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from c2jax.models.attention import attention_mask, dot_product_attention
 from c2jax.models.config import preset
+from c2jax.models.dense_attention import attention_mask, dot_product_attention
 from c2jax.models.layers import (
     lm_head_cross_entropy,
     lm_head_loss,

@@ -7,7 +7,9 @@ import pytest
 from flax import nnx
 
 from c2jax.models.config import ConfigError, preset
-from c2jax.models.moe import MoE, capacity_buckets, route
+from c2jax.models.moe import MoE
+from c2jax.models.moe_dispatch import capacity_buckets
+from c2jax.models.moe_routing import route
 
 TINY = preset("tiny")
 IMPLS = ("sorted", "ragged", "dense")
@@ -118,7 +120,7 @@ def test_chunked_dispatch_equals_one_dispatch(forced):
 
 def test_chunked_dispatch_of_a_slice_of_the_experts_equals_one_dispatch():
     """Expert parallelism's path: only experts [first, first + E_local) held, other assignments contribute 0."""
-    from c2jax.models.moe import dispatch_sorted
+    from c2jax.models.moe_dispatch import dispatch_sorted
 
     cfg = TINY.replace(n_group=1, topk_group=1)
     graphdef, state = make(cfg)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from c2jax.rl.sandbox import oci
-from c2jax.rl.sandbox.oci import ImageContainer, ImageError, load_image
+from c2jax.rl.sandbox.container import ImageContainer
+from c2jax.rl.sandbox.oci import ImageError, load_image
 
 MT = "application/vnd.oci.image."
 

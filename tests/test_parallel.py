@@ -211,11 +211,12 @@ def test_expert_parallel_exchange_in_token_chunks_matches_single_device(referenc
 
 
 def test_token_chunk_count_divides_the_tokens():
-    from c2jax.models.expert_parallel import _token_chunks
+    from c2jax.models.expert_parallel import token_chunk_count
 
-    assert _token_chunks(32, 16) == 2 and _token_chunks(64, 16) == 4 and _token_chunks(48, 20) == 3
-    assert _token_chunks(16, 16) == 1 and _token_chunks(100, 0) == 1
-    assert _token_chunks(37, 16) == 1  # prime: only chunks of 1 token would divide it
+    assert token_chunk_count(32, 16) == 2 and token_chunk_count(64, 16) == 4
+    assert token_chunk_count(48, 20) == 3
+    assert token_chunk_count(16, 16) == 1 and token_chunk_count(100, 0) == 1
+    assert token_chunk_count(37, 16) == 1  # prime: only chunks of 1 token would divide it
 
 
 def test_ragged_all_to_all_path_lowers(reference):

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from c2jax.models.config import preset
-from c2jax.models.moe import route
+from c2jax.models.moe_routing import route
 from c2jax.models.transformer import forward, init
 from c2jax.rl.advantages import group_advantages
 from c2jax.rl.batch import pack, replay_from_model

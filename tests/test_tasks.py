@@ -13,7 +13,7 @@ from c2jax.rl.sandbox import LocalSandbox
 from c2jax.rl.tasks import Task, grade, load_task, write_task
 from c2jax.rl.tasks.build import LibraryConfig, build_library, check_splits_disjoint, validate_task
 from c2jax.rl.tasks.deletion import deletable, delete_feature
-from c2jax.rl.tasks.ladder import _VALUES, build_ladder
+from c2jax.rl.tasks.ladder import ANSWER_WORDS, build_ladder
 from c2jax.rl.tasks.mutation import apply, candidates
 from c2jax.rl.tasks.patches import drop_test_files, is_test_path, make_patch, patch_size
 from c2jax.rl.tasks.release import build_release_task, changelog_added
@@ -238,7 +238,8 @@ def test_ladder_lookup_has_distinct_word_values_and_the_asked_key(tmp_path):
             task = load_task(path)
             lines = (task.repo_dir / "settings.ini").read_text().splitlines()
             pairs = dict(line.split(" = ") for line in lines)
-            assert len(pairs) == keys and len(set(pairs.values())) == keys and set(pairs.values()) <= set(_VALUES)
+            assert len(pairs) == keys and len(set(pairs.values())) == keys
+            assert set(pairs.values()) <= set(ANSWER_WORDS)
             asked = task.prompt("terse").split()[2]
             assert f"+{pairs[asked]}" in task.solution_patch
     with pytest.raises(ValueError, match="lookup_keys"):
@@ -253,7 +254,7 @@ def test_ladder_echo_rung_copies_the_prompt_and_grades(tmp_path):
     assert task.category == "ladder/echo" and task.id == "ladder-echo-000"
     sender, rest = task.prompt("terse").split(": ", 1)
     value = rest.split('"')[1]
-    assert rest == f'write "{value}" -> answer.txt' and value in _VALUES and sender not in _VALUES
+    assert rest == f'write "{value}" -> answer.txt' and value in ANSWER_WORDS and sender not in ANSWER_WORDS
     assert all(value in p and sender in p for p in task.prompts.values())
     assert task.fail_to_pass == ("tests/test_answer.py::test_answer",) and not (task.repo_dir / "tests").exists()
     base = grade(task, None, factory)

@@ -169,7 +169,7 @@ def test_every_parameter_has_logical_axes_matching_its_rank():
 
 def test_bias_shifts_selection_but_not_combine_weights(tiny_model):
     """With a huge bias on expert 0 it is always selected, yet its weight comes from the raw score."""
-    from c2jax.models.moe import route
+    from c2jax.models.moe_routing import route
 
     cfg = TINY.replace(n_group=1, topk_group=1)
     x = jax.random.normal(jax.random.key(0), (16, cfg.hidden_size))

@@ -20,7 +20,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 from c2jax.train.config import CheckpointConfig
 
 
-def _key_name(k) -> str:
+def path_key_name(k) -> str:
+    """One element of a pytree key path (dict key, attribute name or sequence index) as a string."""
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
@@ -32,7 +33,7 @@ def to_nested(tree) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         node = out
-        names = [_key_name(k) for k in path]
+        names = [path_key_name(k) for k in path]
         for name in names[:-1]:
             node = node.setdefault(name, {})
         node[names[-1]] = leaf
@@ -45,7 +46,7 @@ def from_nested(nested: dict[str, Any], like) -> Any:
     for path, _ in paths:
         node = nested
         for k in path:
-            node = node[_key_name(k)]
+            node = node[path_key_name(k)]
         leaves.append(node)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

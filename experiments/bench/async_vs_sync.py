@@ -103,7 +103,7 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
         run_episode,
     )
     from c2jax.rl.sandbox import LocalSandbox
-    from c2jax.rl.system.actors import _TokenPolicy
+    from c2jax.rl.system.actors import BackendTokenPolicy
     from c2jax.rl.system.backends import EnginePolicy, flatten_weights
     from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.envs import byte_tokenizer
@@ -117,7 +117,7 @@ def measure_group(group: int, turns: int, repeats: int = 2) -> dict:
 
     from c2jax.models.transformer import init
     backend.load(flatten_weights(*nnx.split(init(cfg.model, 0), nnx.Param, ...)[1:]), 0)
-    policy = _TokenPolicy(backend, lambda: None)
+    policy = BackendTokenPolicy(backend, lambda: None)
     ecfg = EpisodeConfig(max_turns=turns, max_new_tokens_per_turn=32, max_context_tokens=512,
                          end_on_no_tool_calls=False, system_instructions="You are a coding agent. " * 4)
     repo = Path(tempfile.mkdtemp()) / "repo"

@@ -312,7 +312,7 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
                     raise RuntimeError(f"{conv['task_id']}: the SFT prompt of assistant turn {i} tokenizes to other "
                                        "ids than the RL harness renders: SFT would not match what the policy sees")
                 checked += 1
-    from c2jax.rl.tasks.ladder import _VALUES
+    from c2jax.rl.tasks.ladder import ANSWER_WORDS
 
     first = records[0]
     system = build_system_prompt(default_registry(), ep.system_instructions, tool_schemas=ep.tool_schemas)
@@ -325,8 +325,8 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
                  jsonl=str(jsonl), tokenizer=str(paths["data"]), chat_tokenizer=str(paths["harness"]),
                  vocab_size=harness_tok.get_vocab_size(), prompts_checked_against_renderer=checked,
                  answer_words_single_token=sum(len(data_tok.encode(w).ids) == len(data_tok.encode(" " + w).ids) == 1
-                                               for w in _VALUES),
-                 answer_words=len(_VALUES), longest_record_tokens=max(n_tokens),
+                                               for w in ANSWER_WORDS),
+                 answer_words=len(ANSWER_WORDS), longest_record_tokens=max(n_tokens),
                  mean_record_tokens=sum(n_tokens) / len(n_tokens))
     if stats["longest_record_tokens"] + 1 > cfg.context:
         raise ValueError(f"--context {cfg.context} is shorter than the longest transcript turn "
@@ -335,7 +335,7 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     print(f"{stats['records']} SFT records from {stats['tasks']} oracle episodes on {', '.join(rungs)} (oracle "
           f"resolved {stats['oracle_resolved']}/{stats['oracle_graded']} graded); BPE vocab {stats['vocab_size']}, "
           f"records {stats['mean_record_tokens']:.0f} tokens on average (longest {stats['longest_record_tokens']}), "
-          f"{stats['answer_words_single_token']}/{len(_VALUES)} answer words one token; completion e.g. "
+          f"{stats['answer_words_single_token']}/{len(ANSWER_WORDS)} answer words one token; completion e.g. "
           f"{first['completion']!r}")
     return stats
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from c2jax.models.hf.errors import CheckpointError, CheckpointWarning
 from c2jax.models.hf.fp8 import FP8_BLOCK, dequantize_fp8_block
-from c2jax.models.hf.safetensors_io import _SafetensorsFile, count_non_finite
+from c2jax.models.hf.safetensors_io import SafetensorsFile, count_non_finite
 
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _SKIP_PREFIXES = (
@@ -45,7 +45,7 @@ def _normalize_key(key: str, wrapper: bool) -> str | None:
     return key
 
 
-class _Checkpoint:
+class SafetensorsCheckpoint:
     """All tensors of a (possibly sharded) safetensors checkpoint, by normalized key; tracks what was read."""
 
     def __init__(self, path: Path, wrapper: bool):
@@ -64,9 +64,9 @@ class _Checkpoint:
             names = ["model.safetensors"]
         else:
             raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
-        self.files: dict[str, tuple[_SafetensorsFile, str]] = {}
+        self.files: dict[str, tuple[SafetensorsFile, str]] = {}
         for name in names:
-            file = _SafetensorsFile(path / name)
+            file = SafetensorsFile(path / name)
             for raw in file.entries:
                 key = _normalize_key(raw, wrapper)
                 if key is None:

@@ -148,7 +148,7 @@ _ROPE_KEYS = {
 }
 
 
-def _text_config(hf: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+def text_config(hf: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """The language-model config and the prefix naming its fields in error messages."""
     model_type = hf.get("model_type")
     if model_type == "kimi_k25":
@@ -165,7 +165,7 @@ def _text_config(hf: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
 
 def _quantization(hf: Mapping[str, Any]) -> dict[str, Any] | None:
     """The validated quantization_config (top level or, for kimi_k25, text_config), or None."""
-    text, prefix = _text_config(hf)
+    text, prefix = text_config(hf)
     found = [
         (p, q)
         for p, q in (("", hf.get("quantization_config")), (prefix, text.get("quantization_config")))
@@ -240,7 +240,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     Values c2jax cannot reproduce raise `ConfigError` naming the field. `overrides` replace ModelConfig
     fields afterwards (execution settings such as dtype, moe_impl, scan_layers, or model fields).
     """
-    text, prefix = _text_config(hf)
+    text, prefix = text_config(hf)
     if prefix:
         inner_type = text.get("model_type")
         if inner_type is not None and inner_type not in _TEXT_MODEL_TYPES:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from c2jax.models.config import ModelConfig
-from c2jax.models.hf.checkpoint import _Checkpoint
+from c2jax.models.hf.checkpoint import SafetensorsCheckpoint
 
 
 def _layer_entry(rel: tuple[str, ...], moe: bool) -> tuple[str, Any]:
@@ -39,7 +39,7 @@ def _layer_entry(rel: tuple[str, ...], moe: bool) -> tuple[str, Any]:
     return name + ".weight", ("linear", 2 if rel[-1] == "o_proj" else 1)
 
 
-def _entry(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[list[str] | None, str, Any]:
+def leaf_keys(cfg: ModelConfig, path: tuple[str, ...]) -> tuple[list[str] | None, str, Any]:
     """(per-slice key prefixes, or None for an unstacked leaf; relative key; kind) of a state leaf."""
     head, rel = path[0], path[1:]
     if head == "embed_tokens":
@@ -71,8 +71,8 @@ def _linear_split(shape: tuple[int, ...], n_in: int) -> tuple[int, int]:
     return int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
 
 
-def _load_slice(
-    ckpt: _Checkpoint, prefix: str, rel: str, kind: Any, out: np.ndarray, optional_zero: bool
+def load_slice(
+    ckpt: SafetensorsCheckpoint, prefix: str, rel: str, kind: Any, out: np.ndarray, optional_zero: bool
 ) -> None:
     """Fill `out` (one layer's slice of a leaf, our layout) from the checkpoint."""
     key = prefix + rel
@@ -101,7 +101,7 @@ def _load_slice(
         raise AssertionError(kind)
 
 
-def _save_slice(prefix: str, rel: str, kind: Any, value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+def save_slice(prefix: str, rel: str, kind: Any, value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """(key, view) pairs of one layer's slice of a leaf, in the DeepSeek on-disk layout."""
     key = prefix + rel
     if kind == "copy":

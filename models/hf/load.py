@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from c2jax.models.hf.checkpoint import _Checkpoint
-from c2jax.models.hf.config import _text_config, config_from_hf
+from c2jax.models.hf.checkpoint import SafetensorsCheckpoint
+from c2jax.models.hf.config import config_from_hf, text_config
 from c2jax.models.hf.errors import CheckpointError
-from c2jax.models.hf.keys import _entry, _load_slice
+from c2jax.models.hf.keys import leaf_keys, load_slice
 from c2jax.models.transformer import Transformer
 
 
@@ -101,8 +101,8 @@ def from_pretrained(
     if mtp == "auto" and config_overrides.get("num_nextn_predict_layers"):
         mtp = "require"
     cfg = config_from_hf(hf, **config_overrides)
-    text, _ = _text_config(hf)
-    ckpt = _Checkpoint(path, wrapper=hf.get("model_type") == "kimi_k25")
+    text, _ = text_config(hf)
+    ckpt = SafetensorsCheckpoint(path, wrapper=hf.get("model_type") == "kimi_k25")
 
     num_layers = cfg.num_hidden_layers
     present = _mtp_depth_present(ckpt.keys(), num_layers)
@@ -130,14 +130,14 @@ def from_pretrained(
     for leaf_path, variable in nnx.to_flat_state(state):
         leaf_path = tuple(str(p) for p in leaf_path)
         spec = variable.get_value()
-        prefixes, rel, kind = _entry(cfg, leaf_path)
+        prefixes, rel, kind = leaf_keys(cfg, leaf_path)
         host = np.empty(spec.shape, spec.dtype)
         optional = bias_optional and rel.endswith("e_score_correction_bias")
         if prefixes is None:
-            _load_slice(ckpt, "", rel, kind, host, optional)
+            load_slice(ckpt, "", rel, kind, host, optional)
         else:
             for i, prefix in enumerate(prefixes):
-                _load_slice(ckpt, prefix, rel, kind, host[i], optional)
+                load_slice(ckpt, prefix, rel, kind, host[i], optional)
         target = sharding(leaf_path, variable) if sharding is not None else None
         _set_nested(
             pure, leaf_path, jax.device_put(host, target) if target is not None else jnp.asarray(host)
@@ -184,7 +184,7 @@ def from_pretrained(
     return nnx.merge(graphdef, state)
 
 
-def _check_copy(ckpt: _Checkpoint, copy: str, trunk: str) -> None:
+def _check_copy(ckpt: SafetensorsCheckpoint, copy: str, trunk: str) -> None:
     shape = ckpt.shape(trunk)
     a, b = ckpt.read(copy, shape), ckpt.read(trunk, shape)
     if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)):

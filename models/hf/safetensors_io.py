@@ -46,7 +46,7 @@ _ML_FLOATS = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}  # ml_dtypes floats, n
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit
 
 
-class _SafetensorsFile:
+class SafetensorsFile:
     """One safetensors file, its header validated on open; `get` memory-maps a tensor."""
 
     def __init__(self, path: Path):
@@ -148,7 +148,7 @@ def count_non_finite(array: np.ndarray, chunk: int = 1 << 24) -> int:
                for i in range(0, flat.size, chunk))
 
 
-def _write_safetensors(
+def write_safetensors(
     path: Path,
     tensors: list[tuple[str, Callable[[], np.ndarray], np.dtype, tuple]],
     metadata: Mapping[str, str] | None = None,

@@ -20,8 +20,8 @@ from flax import nnx
 from c2jax.models.config import ModelConfig, dtype_name
 from c2jax.models.hf.config import config_to_hf
 from c2jax.models.hf.fp8 import FP8_BLOCK, quantize_fp8_block
-from c2jax.models.hf.keys import _entry, _save_slice
-from c2jax.models.hf.safetensors_io import _write_safetensors
+from c2jax.models.hf.keys import leaf_keys, save_slice
+from c2jax.models.hf.safetensors_io import write_safetensors
 from c2jax.models.transformer import Transformer
 
 _FLOAT_DTYPES = (
@@ -79,10 +79,10 @@ def save_pretrained(
     for leaf_path, variable in nnx.to_flat_state(nnx.state(model)):
         leaf_path = tuple(str(p) for p in leaf_path)
         value = np.asarray(jax.device_get(variable.get_value()))
-        prefixes, rel, kind = _entry(cfg, leaf_path)
+        prefixes, rel, kind = leaf_keys(cfg, leaf_path)
         slices = [("", value)] if prefixes is None else list(zip(prefixes, value, strict=True))
         for prefix, part in slices:
-            for key, view in _save_slice(prefix, rel, kind, part):
+            for key, view in save_slice(prefix, rel, kind, part):
                 tensors[key] = view
     for j in range(cfg.num_nextn_predict_layers):  # DeepSeek format: each MTP layer carries embed/head copies
         prefix = f"model.layers.{cfg.num_hidden_layers + j}."
@@ -126,12 +126,12 @@ def save_pretrained(
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         stale.unlink()
     if len(shards) == 1:
-        _write_safetensors(path / "model.safetensors", shards[0])
+        write_safetensors(path / "model.safetensors", shards[0])
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(path / name, shard)
+            write_safetensors(path / name, shard)
             for key, _, dt, shape in shard:
                 weight_map[key] = name
                 total += int(np.prod(shape, dtype=np.int64)) * dt.itemsize

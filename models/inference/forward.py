@@ -26,10 +26,10 @@ from c2jax.models.attention_backends import attention
 from c2jax.models.config import ModelConfig
 from c2jax.models.layers import dense
 from c2jax.models.logical import active_mesh_axes
-from c2jax.models.moe import route
+from c2jax.models.moe_routing import route
 from c2jax.models.rope import apply_rope, rope_tables
 
-_NEG_INF = -1e30  # same finite mask value as c2jax.models.attention
+_NEG_INF = -1e30  # same finite mask value as c2jax.models.dense_attention
 
 
 class LayerCache(NamedTuple):

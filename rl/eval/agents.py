@@ -23,6 +23,7 @@ from pathlib import Path
 from c2jax.rl.eval.config import AgentConfig
 from c2jax.rl.harness.agents import Agent, ScriptedAgent
 from c2jax.rl.sandbox.base import Sandbox
+from c2jax.rl.tasks.grading import apply_patch
 from c2jax.rl.tasks.harbor import solve_command, upload_solution
 from c2jax.rl.tasks.task import Task
 
@@ -76,9 +77,7 @@ class ImagePatchOracle(ScriptedAgent):
     task: Task | None = None
 
     def setup(self, sandbox: Sandbox) -> None:
-        from c2jax.rl.tasks.grading import _apply
-
-        ok, err = _apply(sandbox, self.task.solution_patch, ".c2jax-oracle")
+        ok, err = apply_patch(sandbox, self.task.solution_patch, ".c2jax-oracle")
         sandbox.exec("rm -rf .c2jax-oracle", timeout_s=60)
         if not ok:
             raise RuntimeError(f"task {self.task.id}: the reference patch does not apply: {err}")

@@ -28,19 +28,17 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from c2jax.rl.sandbox import gitseal
 from c2jax.rl.sandbox.base import WORKSPACE, ExecResult, Limits, SandboxError
 from c2jax.rl.sandbox.hostfs import HostWorkspace, HostWorkspaceSandbox, normalize
-from c2jax.rl.sandbox.layers import BaseSnapshot, Workspace, overlay_supported
+from c2jax.rl.sandbox.layers import BaseSnapshot, RootLayer, Workspace, overlay_supported
 from c2jax.rl.sandbox.limits import SandboxCgroup, detect_cgroups, launcher_prefix
+from c2jax.rl.sandbox.oci import DEFAULT_ENV, Image
 from c2jax.rl.sandbox.procs import run_captured
-
-if TYPE_CHECKING:
-    from c2jax.rl.sandbox.oci import Image
-    from c2jax.rl.sandbox.pool import SandboxPool
 
 SANDBOX_UID = 1000
 _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "alternatives",
@@ -167,6 +165,17 @@ def _cgroup_layout():
         return _layout[0]
 
 
+class SandboxOwner(Protocol):
+    """What a sandbox needs from the pool that made it (`c2jax.rl.sandbox.pool.SandboxPool`): every sandbox,
+    forks included, registers with it, and hands it its teardown to run off the caller's path."""
+
+    def register(self, sandbox: BwrapSandbox) -> None:
+        """Track `sandbox`, so that closing the owner closes it."""
+
+    def submit_teardown(self, job: Callable[[], None]) -> None:
+        """Run `job` (a closed sandbox's unmount and removal) soon, on the owner's thread."""
+
+
 class BwrapSandbox(HostWorkspaceSandbox):
     """An isolated workspace over `source` (a repository directory, or a shared `BaseSnapshot`).
 
@@ -184,7 +193,7 @@ class BwrapSandbox(HostWorkspaceSandbox):
                  state_dir: Path | None = None, mode: str | None = None,
                  extra_ro_binds: dict[str, str] | None = None, workdir: str = WORKSPACE,
                  env: dict[str, str] | None = None, network: bool = False, image: Image | None = None,
-                 _fork_of: BwrapSandbox | None = None, _pool: SandboxPool | None = None):
+                 _fork_of: BwrapSandbox | None = None, _pool: SandboxOwner | None = None):
         if not isinstance(network, bool):
             raise TypeError(f"network must be True or False, got {network!r}")
         self.workdir = check_mount_point(workdir, "workdir")
@@ -208,10 +217,8 @@ class BwrapSandbox(HostWorkspaceSandbox):
             self._workspace = Workspace(self._snapshot, self._dir, mode=self._mode,
                                         copy_from=_fork_of._workspace if _fork_of else None)
             if image is not None:
-                from c2jax.rl.sandbox.oci import RootLayer
-
                 # a fork starts from the image, not from its parent's root changes (the workspace is what forks)
-                self._root_layer = RootLayer(image, self._dir / "image-root", self._mode)
+                self._root_layer = RootLayer(image.rootfs, self._dir / "image-root", self._mode)
             layout = _cgroup_layout()
             if layout is not None:
                 self._cgroup = SandboxCgroup(layout, f"c2jax-{self._dir.name}", self.limits)
@@ -223,7 +230,7 @@ class BwrapSandbox(HostWorkspaceSandbox):
         self._prefix = launcher_prefix(self.limits, self._cgroup)
         self._argv = self._static_argv()
         if _pool is not None:
-            _pool._register(self)
+            _pool.register(self)
 
     @property
     def closed(self) -> bool:
@@ -276,8 +283,6 @@ class BwrapSandbox(HostWorkspaceSandbox):
         return argv + ["--remount-ro", "/"]  # the sandbox's root tmpfs; /workspace and /tmp stay writable
 
     def _image_argv(self) -> list[str]:
-        from c2jax.rl.sandbox.oci import DEFAULT_ENV
-
         argv = [self._bwrap, "--unshare-all", *(["--share-net"] if self.network else []), "--unshare-user",
                 "--uid", "0", "--gid", "0", "--hostname", "sandbox", "--die-with-parent", "--new-session",
                 "--clearenv", "--bind", str(self._root_layer.root), "/",
@@ -336,7 +341,7 @@ class BwrapSandbox(HostWorkspaceSandbox):
             return
         self._closed = True
         if self._pool is not None:
-            self._pool._submit_teardown(self._finalize)
+            self._pool.submit_teardown(self._finalize)
         else:
             self._finalize()
 

@@ -11,6 +11,8 @@ A sandbox's workspace is either
   file tools and diffs). Needs CAP_SYS_ADMIN on the host (we run as root here and on CI).
 - `copy`: a `cp -a --reflink=auto` of the snapshot (instant on btrfs/xfs, a real copy on ext4); used
   when the host cannot mount overlayfs. Copies are private, so the snapshot is never mutated either.
+`RootLayer` is the same kind of private writable layer over an unpacked container image's root filesystem
+(c2jax.rl.sandbox.oci), for sandboxes and containers that run in the image.
 bwrap's own `--overlay` is not used: it mounts inside the sandbox's namespace, so the host could not see
 the merged tree without re-implementing overlay lookup (whiteouts, opaque dirs) on the upper dir.
 """
@@ -132,3 +134,29 @@ def _cp(src: Path, dst: Path) -> None:
     proc = subprocess.run(["cp", "-a", "--reflink=auto", str(src), str(dst)], capture_output=True)
     if proc.returncode != 0:
         raise SandboxError(f"copying {src} failed: {proc.stderr.decode(errors='replace').strip()}")
+
+
+class RootLayer:
+    """A private writable root over an unpacked image's tree `lower` (`Image.rootfs`, never written): an
+    overlayfs mount where the host allows it, else a `cp -a --reflink=auto` copy. `root` is the tree a
+    container sees as /."""
+
+    def __init__(self, lower: Path, directory: Path, mode: str = "overlay"):
+        self.dir, self.mode = Path(directory), mode
+        self.root = self.dir / "merged"
+        self.dir.mkdir(parents=True)
+        if mode == "overlay":
+            for d in ("upper", "work", "merged"):
+                (self.dir / d).mkdir()
+            _mount_overlay(Path(lower), self.dir / "upper", self.dir / "work", self.root)
+        elif mode == "copy":
+            subprocess.run(["cp", "-a", "--reflink=auto", str(lower), str(self.root)], check=True)
+        else:
+            raise ValueError(f"mode must be 'overlay' or 'copy', got {mode!r}")
+        self._mounted = mode == "overlay"
+
+    def remove(self) -> None:
+        if self._mounted:
+            unmount(self.root)
+            self._mounted = False
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -38,7 +38,8 @@ WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
 PLATFORM = ("linux", "amd64")
-_COMPLETE = ".c2jax-complete"
+# an unpacked tree holds this file once it is whole (written last, before the atomic rename)
+COMPLETE_MARKER = ".c2jax-complete"
 # under the image's Env, as Docker does for an image that sets no PATH
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
@@ -320,7 +321,7 @@ def load_image(source: str | os.PathLike, cache_dir: str | os.PathLike) -> Image
         digest, config, layers = _read_source(blobs)
         image_cfg = ImageConfig.from_json(config)
         out = cache_dir / digest.replace(":", "-")
-        if (out / _COMPLETE).is_file():
+        if (out / COMPLETE_MARKER).is_file():
             return Image(digest, out / "rootfs", image_cfg, tuple(d for _, d, _ in layers))
         cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=cache_dir))
@@ -345,11 +346,12 @@ def load_image(source: str | os.PathLike, cache_dir: str | os.PathLike) -> Image
                         raise ImageError(f"{source}: layer {name} does not match its digest {layer_digest} "
                                          "(corrupt or truncated)")
             (staging / "config.json").write_text(json.dumps(config))
-            (staging / _COMPLETE).write_text(digest + "\n")
+            (staging / COMPLETE_MARKER).write_text(digest + "\n")
             try:
                 os.rename(staging, out)
             except OSError:
-                if not (out / _COMPLETE).is_file():  # lost the race to a half-written tree: cannot happen by rename
+                # lost the race to a half-written tree: cannot happen by rename
+                if not (out / COMPLETE_MARKER).is_file():
                     raise
         finally:
             if staging.exists():
@@ -357,109 +359,6 @@ def load_image(source: str | os.PathLike, cache_dir: str | os.PathLike) -> Image
         return Image(digest, out / "rootfs", image_cfg, tuple(d for _, d, _ in layers))
     finally:
         blobs.close()
-
-
-# ------------------------------------------------------------------------------------------- running
-@dataclass(frozen=True)
-class ExecResult:
-    returncode: int
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-
-
-class RootLayer:
-    """A private writable root over an unpacked image: an overlayfs mount (lower = the image's tree) where the
-    host allows it, else a `cp -a --reflink=auto` copy. `root` is the tree a container sees as /."""
-
-    def __init__(self, image: Image, directory: Path, mode: str = "overlay"):
-        from c2jax.rl.sandbox.layers import _mount_overlay
-
-        self.dir, self.mode = Path(directory), mode
-        self.root = self.dir / "merged"
-        self.dir.mkdir(parents=True)
-        if mode == "overlay":
-            for d in ("upper", "work", "merged"):
-                (self.dir / d).mkdir()
-            _mount_overlay(image.rootfs, self.dir / "upper", self.dir / "work", self.root)
-        elif mode == "copy":
-            import subprocess
-
-            subprocess.run(["cp", "-a", "--reflink=auto", str(image.rootfs), str(self.root)], check=True)
-        else:
-            raise ValueError(f"mode must be 'overlay' or 'copy', got {mode!r}")
-        self._mounted = mode == "overlay"
-
-    def remove(self) -> None:
-        from c2jax.rl.sandbox.layers import unmount
-
-        if self._mounted:
-            unmount(self.root)
-            self._mounted = False
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class ImageContainer:
-    """One fresh container of an unpacked image: a private copy-on-write layer over its root filesystem
-    (`RootLayer`), entered with bubblewrap as uid 0 in a user namespace (so package managers that expect root
-    work; apt also needs `APT::Sandbox::User "root"`, as its `_apt` user does not exist in the namespace), with its
-    own /proc, /dev and /tmp, and no network unless `network`. The image's tree is never written. `close()` drops
-    the layer. `BwrapSandbox(..., image=...)` is the same root behind the Sandbox contract (workspace, file
-    tools, diffs)."""
-
-    def __init__(self, image: Image, state_dir: str | os.PathLike, *, network: bool = False,
-                 env: dict[str, str] | None = None, workdir: str | None = None, mode: str | None = None):
-        from c2jax.rl.sandbox.layers import overlay_supported
-
-        self.image, self.network = image, network
-        self.env = {**DEFAULT_ENV, **image.config.env, **(env or {})}
-        self.workdir = workdir or image.config.workdir or "/"
-        state_dir = Path(state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="container-", dir=state_dir))
-        self.mode = mode or ("overlay" if overlay_supported(state_dir) else "copy")
-        try:
-            self._layer = RootLayer(image, self.dir / "root", self.mode)
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
-        self.root = self._layer.root
-        (self.root / self.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
-
-    def argv(self, command: str) -> list[str]:
-        from c2jax.rl.sandbox.bwrap import find_bwrap
-
-        argv = [find_bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", "0", "--gid", "0",
-                "--bind", str(self.root), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-                "--chdir", self.workdir, "--clearenv"]
-        if self.network:
-            argv += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
-        for key, value in self.env.items():
-            argv += ["--setenv", key, value]
-        shell = "/bin/sh"
-        if not (self.root / "bin" / "sh").exists() and not (self.root / "bin").is_symlink():
-            raise ImageError(f"image {self.image.digest}: no /bin/sh to run commands with")
-        return argv + ["--", shell, "-c", command]
-
-    def exec(self, command: str, *, timeout_s: float = 60.0) -> ExecResult:
-        import subprocess
-
-        try:
-            proc = subprocess.run(self.argv(command), capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            return ExecResult(-9, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
-                              else (e.stdout or ""), "timed out", timed_out=True)
-        return ExecResult(proc.returncode, proc.stdout, proc.stderr)
-
-    def close(self) -> None:
-        self._layer.remove()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ------------------------------------------------------------------------------------------- image store

@@ -17,6 +17,7 @@ import queue
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from c2jax.rl.sandbox.base import Limits, SandboxError
@@ -109,7 +110,7 @@ class SandboxPool:
                                mode=self.mode, extra_ro_binds=extra_ro_binds, _pool=self)
         return sandbox
 
-    def _register(self, sandbox: BwrapSandbox) -> None:
+    def register(self, sandbox: BwrapSandbox) -> None:
         """Called by every sandbox of this pool, forks included, so `close` can close them all."""
         with self._lock:
             if self._closing:
@@ -117,7 +118,8 @@ class SandboxPool:
             self._live = {s for s in self._live if not s.closed}
             self._live.add(sandbox)
 
-    def _submit_teardown(self, job) -> None:
+    def submit_teardown(self, job: Callable[[], None]) -> None:
+        """Runs a closed sandbox's teardown on the reaper thread (here, once the pool is closed)."""
         with self._lock:
             running = not self._closed
             if running:

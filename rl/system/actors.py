@@ -491,7 +491,7 @@ class RolloutWorker:
         else:
             # the G episodes run concurrently, one thread each, on the one engine: their turns decode together
             # in its slots (continuous batching), and one episode's tool calls overlap the others' decoding
-            policy = _TokenPolicy(self.policy, self._swap_at_chunk)
+            policy = BackendTokenPolicy(self.policy, self._swap_at_chunk)
             with ThreadPoolExecutor(max_workers=size, thread_name_prefix="episode") as pool:
                 rollouts = list(pool.map(
                     lambda i: run_ladder_episode(policy, self.renderer, call, spec["prompt_id"],
@@ -504,7 +504,7 @@ class RolloutWorker:
                               "version_at_end": self.policy.version, **self.info()})
 
 
-class _TokenPolicy:
+class BackendTokenPolicy:
     """TokenPolicy (c2jax.rl.harness.agents) over a backend, swapping weights at chunk boundaries."""
 
     def __init__(self, policy, swap):

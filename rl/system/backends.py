@@ -15,9 +15,10 @@ from c2jax.rl.system.config import RLSystemConfig
 
 # ------------------------------------------------------------------------------------ weight naming
 def _name(path) -> str:
-    from c2jax.train.checkpoint import _key_name
+    # lazily: c2jax.train.checkpoint imports orbax, which only the Orbax-checkpointing learner core needs
+    from c2jax.train.checkpoint import path_key_name
 
-    return "/".join(_key_name(k) for k in path)
+    return "/".join(path_key_name(k) for k in path)
 
 
 def flatten_weights(params, model_state) -> dict[str, np.ndarray]:

@@ -63,7 +63,7 @@ def _short(args: str, limit: int = 60) -> str:
     return args if len(args) <= limit else args[: limit - 3] + "..."
 
 
-def _split(args: str) -> tuple[list[str], list[str]]:
+def split_flags(args: str) -> tuple[list[str], list[str]]:
     """(--flags, operands) of a COPY / ADD / RUN, shell-style or JSON-array form."""
     if args.startswith("["):
         import json
@@ -103,7 +103,7 @@ def _copy_keeps_layout(context: Path, workdir: str, operands: list[str]) -> bool
 
 
 # ------------------------------------------------------------------------------------------- ENV
-def _expand(text: str, variables: dict[str, str], *, split: bool) -> list[str]:
+def expand_words(text: str, variables: dict[str, str], *, split: bool) -> list[str]:
     """Docker's word processing of an ENV / ARG argument: quotes removed ('...' literal, "..." with
     substitution), backslash escapes, and $VAR / ${VAR} / ${VAR:-default} / ${VAR:+alternative}
     replaced from `variables` (unset: empty, as Docker does). `split`: unquoted whitespace separates
@@ -128,9 +128,9 @@ def _expand(text: str, variables: dict[str, str], *, split: bool) -> list[str]:
                     break
             value = variables.get(name)
             if op == ":-":
-                out = value if value else "".join(_expand(word, variables, split=False))
+                out = value if value else "".join(expand_words(word, variables, split=False))
             elif op == ":+":
-                out = "".join(_expand(word, variables, split=False)) if value else ""
+                out = "".join(expand_words(word, variables, split=False)) if value else ""
             else:
                 out = value or ""
             return out, end + 1
@@ -181,7 +181,7 @@ def _expand(text: str, variables: dict[str, str], *, split: bool) -> list[str]:
     return words
 
 
-def _assignments(ins: Instruction, variables: dict[str, str]) -> list[tuple[str, str]]:
+def variable_assignments(ins: Instruction, variables: dict[str, str]) -> list[tuple[str, str]]:
     """The (name, value) pairs of an ENV (or ARG with defaults) instruction, substituted."""
     where = f"line {ins.line}"
     first = ins.args.split(None, 1)[0] if ins.args.strip() else ""
@@ -189,15 +189,15 @@ def _assignments(ins: Instruction, variables: dict[str, str]) -> list[tuple[str,
         name, _, rest = ins.args.strip().partition(" ")
         if not name or not rest.strip():
             raise ValueError(f"{where}: ENV {ins.args!r} sets no value")
-        value = "".join(_expand(rest.strip(), variables, split=False))
+        value = "".join(expand_words(rest.strip(), variables, split=False))
         if "\x00" in value or not name.replace("_", "a").isalnum():
             raise ValueError(f"{where}: ENV {ins.args!r} is not NAME value (a NUL byte, or a bad name)")
         return [(name, value)]
     pairs = []
-    for word in _expand(ins.args, variables, split=True) if ins.word == "ENV" else ins.args.split():
+    for word in expand_words(ins.args, variables, split=True) if ins.word == "ENV" else ins.args.split():
         name, eq, value = word.partition("=")
         if ins.word == "ARG":
-            value = "".join(_expand(value, variables, split=False)) if eq else None
+            value = "".join(expand_words(value, variables, split=False)) if eq else None
         elif not eq:
             raise ValueError(f"{where}: ENV {ins.args!r} mixes NAME=value pairs with a bare {word!r}")
         if not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
@@ -224,13 +224,13 @@ def env(dockerfile: Path, base: dict[str, str] | None = None) -> dict[str, str]:
             if ins.word == "FROM":
                 seen_from, out, args = True, {}, {}
             elif ins.word == "ARG":
-                for name, value in _assignments(ins, {**base, **global_args, **args, **out}):
+                for name, value in variable_assignments(ins, {**base, **global_args, **args, **out}):
                     if not seen_from:
                         global_args[name] = value or ""
                     elif name not in out:  # an ENV of the same name wins over the ARG
                         args[name] = value if value is not None else global_args.get(name, "")
             elif ins.word == "ENV":
-                out.update(_assignments(ins, {**base, **args, **out}))
+                out.update(variable_assignments(ins, {**base, **args, **out}))
         except ValueError as e:
             raise ValueError(f"{dockerfile.name} {e}") from None
     return out
@@ -258,7 +258,7 @@ def unsupported_reason(dockerfile: Path) -> str | None:
     current = "/"
     for ins in steps:
         where = f"{name} line {ins.line}"
-        flags, operands = _split(ins.args) if ins.word in ("RUN", "COPY", "ADD") else ([], [])
+        flags, operands = split_flags(ins.args) if ins.word in ("RUN", "COPY", "ADD") else ([], [])
         if ins.word == "WORKDIR" and ins.args:
             current = posixpath.normpath(posixpath.join(current, ins.args.strip('"')))
         elif ins.word == "RUN" and any(f.startswith("--mount") for f in flags):

@@ -78,7 +78,9 @@ def swebench_outcome(statuses: dict[str, str], f2p, p2p) -> tuple[dict, dict, bo
     return f2p_split, p2p_split, not f2p_split["failure"] and not p2p_split["failure"]
 
 
-def _apply(sandbox: Sandbox, patch: str, workdir: str) -> tuple[bool, str]:
+def apply_patch(sandbox: Sandbox, patch: str, workdir: str) -> tuple[bool, str]:
+    """(applied, error tail) of applying `patch` to the sandbox's workspace, written to `workdir/agent.patch`:
+    with git apply, else patch(1), else (neither in the environment) the host's git on the host tree."""
     if not patch.strip():
         return True, ""
     sandbox.write_text(f"{workdir}/agent.patch", patch)
@@ -130,7 +132,7 @@ def grade(task: Task, patch: str | None, sandbox_factory: SandboxFactory, *,
     sandbox, logs = open_task_sandbox(sandbox_factory, task, "verifier")
     with sandbox:
         workdir = f".c2jax-grade-{secrets.token_hex(8)}"  # the agent cannot predict this name
-        applied, err = _apply(sandbox, kept, workdir)
+        applied, err = apply_patch(sandbox, kept, workdir)
         if not applied:
             return GradeResult(task.id, "patch_failed", reason="the patch does not apply", log_tail=err,
                                dropped_test_files=dropped, wall_s=time.perf_counter() - start)
@@ -188,7 +190,7 @@ def _grade_pytest(task: Task, sandbox: Sandbox, workdir: str, python: str, timeo
         _overlay(sandbox, task.tests_dir / "overlay")
     test_patch = task.metadata.get("test_patch")  # SWE-bench instances carry their tests as a patch
     if test_patch:
-        applied, err = _apply(sandbox, test_patch, workdir + "/tests")
+        applied, err = apply_patch(sandbox, test_patch, workdir + "/tests")
         if not applied:
             return GradeResult(task.id, "invalid", reason="the instance's test_patch does not apply", log_tail=err)
     junit = f"{workdir}/junit.xml"

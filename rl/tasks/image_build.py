@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from c2jax.rl.sandbox.oci import (
-    _COMPLETE,
+    COMPLETE_MARKER,
     DEFAULT_ENV,
     Image,
     ImageConfig,
@@ -38,7 +38,13 @@ from c2jax.rl.sandbox.oci import (
     load_image,
     store_name,
 )
-from c2jax.rl.tasks.dockerfile import Instruction, _assignments, _expand, _split, instructions
+from c2jax.rl.tasks.dockerfile import (
+    Instruction,
+    expand_words,
+    instructions,
+    split_flags,
+    variable_assignments,
+)
 
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "VOLUME", "HEALTHCHECK", "ONBUILD"}
 
@@ -186,12 +192,12 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
     for s in body:
         key.update(f"{s.word} {s.args}\n".encode())
         if s.word in ("COPY", "ADD"):
-            for src in _split(s.args)[1][:-1]:
+            for src in split_flags(s.args)[1][:-1]:
                 for host, _ in _context_files(context, src, rules, f"{name} line {s.line}"):
                     key.update(_tree_digest(host, context, rules).encode())
     digest = "sha256:" + key.hexdigest()
     out = cache_dir / f"built-{key.hexdigest()}"
-    if (out / _COMPLETE).is_file():
+    if (out / COMPLETE_MARKER).is_file():
         return Image(digest, out / "rootfs", ImageConfig.from_json(json.loads((out / "config.json").read_text())),
                      base.layers)
 
@@ -209,12 +215,12 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
             where = f"{name} line {s.line}"
             if s.word == "WORKDIR":
                 workdir = posixpath.normpath(posixpath.join(workdir, "".join(
-                    _expand(s.args.strip(), {**args, **env}, split=False))))
+                    expand_words(s.args.strip(), {**args, **env}, split=False))))
                 _inside_root(rootfs, workdir).mkdir(parents=True, exist_ok=True)
             elif s.word == "ENV":
-                env.update(_assignments(s, {**args, **env}))
+                env.update(variable_assignments(s, {**args, **env}))
             elif s.word == "ARG":
-                for k, v in _assignments(s, {**global_args, **args, **env}):
+                for k, v in variable_assignments(s, {**global_args, **args, **env}):
                     args[k] = (build_args or {}).get(k, v if v is not None else global_args.get(k, ""))
             elif s.word == "USER":
                 user = s.args.strip()
@@ -228,7 +234,7 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
                 argv = json.loads(text) if text.startswith("[") else [*shell, text]
                 _run(rootfs, argv, {**DEFAULT_ENV, **env, **args}, workdir, network, timeout_s, f"{where}: RUN")
             elif s.word in ("COPY", "ADD"):
-                flags, operands = _split(s.args)
+                flags, operands = split_flags(s.args)
                 if len(operands) < 2:
                     raise ImageBuildError(f"{where}: {s.word} needs a source and a destination")
                 sources = [m for src in operands[:-1] for m in _context_files(context, src, rules, where)]
@@ -240,11 +246,11 @@ def build_image(dockerfile: str | os.PathLike, *, store: str | os.PathLike | Non
                              "Cmd": cmd, "Entrypoint": entrypoint}, "c2jax": {"base": base.digest,
                                                                               "dockerfile": str(dockerfile)}}
         (staging / "config.json").write_text(json.dumps(config))
-        (staging / _COMPLETE).write_text(digest + "\n")
+        (staging / COMPLETE_MARKER).write_text(digest + "\n")
         try:
             os.rename(staging, out)
         except OSError:
-            if not (out / _COMPLETE).is_file():
+            if not (out / COMPLETE_MARKER).is_file():
                 raise
     finally:
         if staging.exists():
@@ -267,9 +273,9 @@ def _parse_from(dockerfile: Path, steps: list[Instruction], build_args: dict[str
     for s in steps[:at]:
         if s.word != "ARG":
             raise ImageBuildError(f"{dockerfile.name} line {s.line}: only ARG may come before FROM, got {s.word}")
-        for key, value in _assignments(s, dict(global_args)):
+        for key, value in variable_assignments(s, dict(global_args)):
             global_args[key] = (build_args or {}).get(key, value or "")
-    words = [w for w in "".join(_expand(froms[0].args, global_args, split=False)).split()
+    words = [w for w in "".join(expand_words(froms[0].args, global_args, split=False)).split()
              if not w.startswith("--platform")]
     if not words:
         raise ImageBuildError(f"{dockerfile.name} line {froms[0].line}: FROM names no image")
@@ -311,7 +317,7 @@ def _run_flags(args: str) -> tuple[list[str], str]:
 
 def _step(s: Instruction, where: str) -> None:
     """Refuses what the builder does not do, naming the line."""
-    flags, operands = _split(s.args) if s.word in ("COPY", "ADD") else ([], [])
+    flags, operands = split_flags(s.args) if s.word in ("COPY", "ADD") else ([], [])
     if s.word == "RUN":
         flags = _run_flags(s.args)[0]
     if s.word == "RUN" and any(f.startswith("--mount") for f in flags):

@@ -20,7 +20,8 @@ from c2jax.rl.tasks.task import Task, write_task
 
 RUNGS = ("echo", "answer", "lookup", "micro_bug")
 
-_ANSWER_TEST = '''from pathlib import Path
+# tests/test_answer.py of a generated task: answer.txt must hold `expected` (str.format)
+ANSWER_TEST = '''from pathlib import Path
 
 
 def test_answer():
@@ -34,8 +35,8 @@ _WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor
 # Values of `echo` and `lookup` answers: 16 words, none of them a key or an echo word. A small closed vocabulary
 # keeps each answer a word (one token of a BPE trained on the transcripts), so a tiny model can learn to copy it
 # from the context; the numbers of the first ladder (10-999) were 900 rare tokens, or 2-3 bytes to copy in order.
-_VALUES = ["amber", "azure", "bronze", "cobalt", "coral", "crimson", "indigo", "jade", "khaki", "lilac", "navy",
-           "ochre", "plum", "rust", "sage", "teal"]
+ANSWER_WORDS = ["amber", "azure", "bronze", "cobalt", "coral", "crimson", "indigo", "jade", "khaki", "lilac",
+                "navy", "ochre", "plum", "rust", "sage", "teal"]
 # five letters each, distinct first letters
 _ECHO_WORDS = ["apple", "birch", "cedar", "delta", "ember", "fable", "grove", "hazel", "ivory", "jolly", "koala",
                "lemon", "maple", "noble", "olive", "pearl"]
@@ -48,7 +49,7 @@ def closed_vocabulary() -> tuple[list[str], list[str]]:
     """(words, values): every word that carries an `echo` or `lookup` task's information (senders, keys,
     values), and the values an answer can be. The ladder's action tokenizer (rl/system/envs.py) is built on
     them."""
-    return sorted(set(_SENDERS) | set(_VALUES)), list(_VALUES)
+    return sorted(set(_SENDERS) | set(ANSWER_WORDS)), list(ANSWER_WORDS)
 
 
 def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
@@ -56,14 +57,14 @@ def _echo_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict
     # train task has, so it is solved only by copying the quoted word from the prompt. (Two quoted words to copy
     # in order, 1,560 pairs: 0 of 32 held-out solved after the demo's 1,200 mixed SFT steps; alone from scratch,
     # P(exact) 0.10 after 800 steps: measured)
-    sender, word = rng.choice(_SENDERS), rng.choice(_VALUES)
+    sender, word = rng.choice(_SENDERS), rng.choice(ANSWER_WORDS)
     prompts = {"terse": f'{sender}: write "{word}" -> answer.txt',
                "issue": f'{sender} asks: write the word "{word}" to answer.txt.',
                "full": f'A request from {sender}: create a file answer.txt in the repository root containing exactly '
                        f'the word "{word}" (without the quotes), followed by a newline.'}
     repo = {"README.md": "Scratch workspace.\n"}
     return _task(f"ladder-echo-{idx:03d}", "echo", "easy", prompts, distractor=sender), repo, \
-        {**repo, "answer.txt": word + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=word)}
+        {**repo, "answer.txt": word + "\n"}, {"tests/test_answer.py": ANSWER_TEST.format(expected=word)}
 
 
 def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], dict[str, str], dict[str, bytes]]:
@@ -76,12 +77,14 @@ def _answer_task(rng: random.Random, idx: int) -> tuple[Task, dict[str, str], di
                        f"result of {a} {sym} {b} ({op} the numbers), followed by a newline."}
     repo = {"README.md": "Scratch workspace.\n"}
     return _task(f"ladder-answer-{idx:03d}", "answer", "easy", prompts), repo, \
-        {**repo, "answer.txt": expected + "\n"}, {"tests/test_answer.py": _ANSWER_TEST.format(expected=expected)}
+        {**repo, "answer.txt": expected + "\n"}, \
+        {"tests/test_answer.py": ANSWER_TEST.format(expected=expected)}
 
 
 def _lookup_task(rng, idx, n_keys: int = 2):
     keys = rng.sample(_WORDS, n_keys)
-    values = dict(zip(keys, rng.sample(_VALUES, len(keys))))  # distinct: copying the wrong key's value fails
+    # distinct: copying the wrong key's value fails
+    values = dict(zip(keys, rng.sample(ANSWER_WORDS, len(keys))))
     target = rng.choice(keys)
     config = "".join(f"{k} = {v}\n" for k, v in values.items())
     prompts = {"terse": f"value of {target} -> answer.txt",
@@ -92,7 +95,7 @@ def _lookup_task(rng, idx, n_keys: int = 2):
     return _task(f"ladder-lookup-{idx:03d}", "lookup", "easy", prompts, reads=("settings.ini",),
                  distractor=target), repo, \
         {**repo, "answer.txt": f"{values[target]}\n"}, \
-        {"tests/test_answer.py": _ANSWER_TEST.format(expected=str(values[target]))}
+        {"tests/test_answer.py": ANSWER_TEST.format(expected=str(values[target]))}
 
 
 # (function source, test body, [(correct token, buggy token)]); each bug changes exactly one token

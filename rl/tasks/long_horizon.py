@@ -19,7 +19,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from c2jax.rl.tasks.ladder import _ANSWER_TEST, write_generated_task
+from c2jax.rl.tasks.ladder import ANSWER_TEST, write_generated_task
 from c2jax.rl.tasks.task import Task
 
 _WORDS = ["amber", "basalt", "canyon", "drift", "ember", "fjord", "glacier", "heron", "island", "jasper", "kestrel",
@@ -69,7 +69,7 @@ def _chain_task(rng: random.Random, length: int, idx: int, filler_lines: int, li
                 difficulty="easy" if length <= 2 else "medium" if length <= 8 else "hard", repo="long_horizon-chain",
                 timeout_s=60.0, metadata={"generator": "long_horizon", "chain_length": length, "start": names[0],
                                           "filler_lines": filler_lines, "line_chars": line_chars})
-    overlay = {"tests/test_answer.py": _ANSWER_TEST.format(expected=value)}
+    overlay = {"tests/test_answer.py": ANSWER_TEST.format(expected=value)}
     return task, repo, {**repo, "answer.txt": value + "\n"}, overlay
 
 

@@ -8,5 +8,6 @@ Writes gpu_check.json, gpu_check.md and gpu_check.log to --out (default: $OUT wh
 runs/bench/gpu_check). docs/gpu_check.md says how to run it on a lent device and what each section measures.
 
 `runner` is the driver (no JAX import: it never touches the GPU itself; each section runs in its own
-subprocess with a deadline); `sections` holds the measurements.
+subprocess with a deadline); `sections/` holds the measurements, one module per section over a shared
+`Context` (sections/context.py).
 """

@@ -1,0 +1,349 @@
+"""The dropless dispatch paths of the DeepSeek-V3 MoE: routed tokens through their experts, over one set of
+parameters and one device's tokens (models/expert_parallel.py runs them across an expert-parallel group).
+
+Dispatch paths (`ModelConfig.moe_impl`):
+  sorted  sort assignments by expert, gather them into an [E, C, d] buffer and run one batched einsum.
+          C is chosen at run time from a few static buckets (`moe_capacity_factors` x the balanced load,
+          then T, the hard bound since a token picks an expert at most once) with `lax.switch`, so no
+          token is ever dropped and a balanced batch pays only ~1.25x the useful FLOPs. The default;
+          its backward is written by hand (see `_sorted_experts`). With `ModelConfig.moe_quant` other
+          than "bf16", its six expert GEMMs (fprop, dgrad, wgrad of both FCs) run through
+          c2jax.kernels.qlinear, each operand quantized along that GEMM's contraction axis (docs/kernels.md).
+  ragged  `jax.lax.ragged_dot` over the sorted rows. Exact grouped GEMM semantics; XLA:CPU lowers it
+          to a dense masked matmul (~E x the FLOPs), so it is an oracle on CPU and a candidate on GPU.
+  dense   every expert on every token, combined with a [T, E] weight matrix. The simplest oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from c2jax.kernels import qlinear
+from c2jax.models.config import ModelConfig
+from c2jax.models.layers import swiglu_act_grads
+from c2jax.models.moe_routing import Routing
+
+
+def _swiglu_experts(h: jnp.ndarray, gate_up: jnp.ndarray, down: jnp.ndarray) -> jnp.ndarray:
+    """[E, C, d] -> [E, C, d] through each expert's SwiGLU."""
+    gu = jnp.einsum("ecd,edf->ecf", h, gate_up.astype(h.dtype))
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down.astype(h.dtype))
+
+
+def dispatch_dense(x, routing: Routing, gate_up, down):
+    """Oracle: y_t = sum_e G[t, e] * expert_e(x_t), with G zero off the selected experts."""
+    num_experts = gate_up.shape[0]
+    combine = jnp.zeros((x.shape[0], num_experts), jnp.float32).at[
+        jnp.arange(x.shape[0])[:, None], routing.expert_ids].add(routing.weights)
+    all_out = _swiglu_experts(jnp.broadcast_to(x, (num_experts, *x.shape)), gate_up, down)
+    return jnp.einsum("te,etd->td", combine.astype(x.dtype), all_out)
+
+
+def _sort_assignments(expert_ids: jnp.ndarray, num_experts: int):
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignment indices grouped by expert
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    starts = jnp.cumsum(counts) - counts
+    return flat, order, counts, starts
+
+
+def dispatch_ragged(x, routing: Routing, gate_up, down):
+    """Grouped GEMM over expert-sorted rows with jax.lax.ragged_dot."""
+    k = routing.expert_ids.shape[1]
+    _, order, counts, _ = _sort_assignments(routing.expert_ids, gate_up.shape[0])
+    rows = x[order // k]
+    gu = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), counts)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down.astype(x.dtype), counts)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(x.shape[0], k, -1)
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype))
+
+
+def capacity_buckets(cfg: ModelConfig, num_tokens: int) -> tuple[int, ...]:
+    """Static per-expert capacities tried in order; the last is T, which can never overflow."""
+    balanced = num_tokens * cfg.num_experts_per_tok / cfg.n_routed_experts
+    caps = []
+    for factor in cfg.moe_capacity_factors:
+        cap = min(num_tokens, 8 * math.ceil(factor * balanced / 8))
+        if not caps or cap > caps[-1]:
+            caps.append(cap)
+    if caps[-1] < num_tokens:
+        caps.append(num_tokens)
+    return tuple(caps)
+
+
+# The sorted path is one custom_vjp with a hand-written backward. Two measured XLA:CPU traps make that
+# worth its length (small preset, T=4096: fwd+bwd of one MoE layer went from ~500 to ~280 ms):
+#  * Differentiating through `lax.switch` joins the residuals of all branches, so the branch that runs
+#    zero-fills the [E, C, .] residuals of every larger capacity bucket (C up to T): ~1/3 of the layer
+#    time went to broadcasts of zeros. Here the switch runs inside the forward and inside the backward,
+#    never under autodiff, and the only residuals are [T*k, .] arrays whose shape is bucket independent.
+#  * Autodiff of gather is scatter-add, and of `where(valid, ., 0)` a select over the whole buffer.
+#    Both directions here are gathers: the buffer row (e, c) reads token src[e, c] or an appended zero
+#    row (empty slots), and a token's gradient is the sum of its k buffer rows, so no scatter, no select.
+
+
+def _pad_row(a):
+    """a with one zero row appended: the source that empty buffer slots gather from."""
+    return jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+
+
+def _take(a, idx):
+    return a.at[idx].get(mode="promise_in_bounds")
+
+
+class _Plan(NamedTuple):
+    """Capacity-independent bookkeeping of the T*k assignments (a = t*k + j), sorted by expert."""
+    order: jnp.ndarray  # [T*k] assignment indices grouped by expert (stable)
+    starts: jnp.ndarray  # [E] first position of each expert in `order`
+    counts: jnp.ndarray  # [E] assignments per expert
+    flat: jnp.ndarray  # [T*k] expert of each assignment
+    rank: jnp.ndarray  # [T*k] position of each assignment among its expert's
+
+
+def _plan(expert_ids: jnp.ndarray, num_experts: int, discard: bool = False) -> _Plan:
+    """With `discard`, id `num_experts` marks an assignment that is not this device's (expert parallelism):
+    it is sorted into an extra last group that owns no buffer rows and contributes zero."""
+    flat, order, counts, starts = _sort_assignments(expert_ids, num_experts + int(discard))
+    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return _Plan(order, starts, counts, flat, rank)
+
+
+def _slots(plan: _Plan, capacity: int, num_experts: int):
+    """slot [T*k]: buffer row of each assignment (E*C, one past the end, if discarded); src [E*C]:
+    assignment in each row (T*k if empty)."""
+    num_assign = plan.order.shape[0]
+    slot = jnp.where(plan.flat < num_experts, plan.flat * capacity + plan.rank, num_experts * capacity)
+    c = jnp.arange(capacity, dtype=jnp.int32)
+    pos = plan.starts[:num_experts, None] + c[None, :]
+    held = plan.order[jnp.minimum(pos, num_assign - 1)]
+    src = jnp.where(c[None, :] < plan.counts[:num_experts, None], held, num_assign)
+    return slot, src.reshape(-1)
+
+
+def _expert_ffn(recipe, h, gate_up, down):
+    """h [E, C, d] through each expert's SwiGLU: (gu [E, C, 2f], out [E, C, d])."""
+    f = down.shape[1]
+    gu = jnp.einsum("ecd,edg->ecg", h, gate_up) if recipe is None else qlinear.fprop(h, gate_up, recipe)[0]
+    act = jax.nn.silu(gu[..., :f]) * gu[..., f:]
+    out = jnp.einsum("ecf,efd->ecd", act, down) if recipe is None else qlinear.fprop(act, down, recipe)[0]
+    return gu, out
+
+
+def _expert_ffn_grads(recipe, h, gu, dout, gate_up, down):
+    """Backward of `_expert_ffn` for cotangent dout [E, C, d]: (dh [E, C, d], dgate_up, ddown)."""
+    f = down.shape[1]
+    gate, up = gu[..., :f], gu[..., f:]
+    if recipe is not None:
+        return _quantized_ffn_grads(recipe, h, gate, up, dout, gate_up, down)
+    dact = jnp.einsum("ecd,efd->ecf", dout, down)
+    act, dgate, dup = swiglu_act_grads(gate, up, dact)
+    ddown = jnp.einsum("ecf,ecd->efd", act, dout)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)
+    dgate_up = jnp.einsum("ecd,ecg->edg", h, dgu)
+    dh = jnp.einsum("ecg,edg->ecd", dgu, gate_up)
+    return dh, dgate_up, ddown
+
+
+def _quantized_ffn_grads(recipe, h, gate, up, dout, gate_up, down):
+    """The backward GEMMs under `recipe`: dgrad and wgrad quantized along their own contraction axes (wgrad
+    along the capacity axis, so scale blocks never span two experts), and the straight-through masks of the
+    two forward GEMMs, recomputed from the same operands."""
+    act_fwd = jax.nn.silu(gate) * up  # the operand the forward quantized, bit for bit
+    _, mask_act, mask_down = qlinear.fprop(act_fwd, down, recipe)
+    dact = qlinear.apply_mask(qlinear.dgrad(dout, down, recipe), mask_act)
+    act, dgate, dup = swiglu_act_grads(gate, up, dact)
+    ddown = qlinear.apply_mask(qlinear.wgrad(act, dout, recipe), mask_down)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)
+    _, mask_h, mask_gate_up = qlinear.fprop(h, gate_up, recipe)
+    dgate_up = qlinear.apply_mask(qlinear.wgrad(h, dgu, recipe), mask_gate_up)
+    dh = qlinear.apply_mask(qlinear.dgrad(dgu, gate_up, recipe), mask_h)
+    return dh, dgate_up, ddown
+
+
+def _experts_fwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan):
+    num_tokens, k = weights.shape
+    num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
+    slot, src = _slots(plan, capacity, num_experts)
+    pad = _pad_row if discard else (lambda a: a)  # discarded assignments read the appended zero row
+    h = _take(_pad_row(x), src // k).reshape(num_experts, capacity, d)  # empty rows: src // k == T
+    gu, out = _expert_ffn(recipe, h, gate_up, down)
+    out_a = _take(pad(out.reshape(num_experts * capacity, d)), slot)  # [T*k, d], assignment order
+    gu_a = _take(pad(gu.reshape(num_experts * capacity, 2 * f)), slot)
+    y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
+    return y, gu_a, out_a
+
+
+def _experts_bwd_at(capacity, discard, recipe, x, weights, gate_up, down, plan, gu_a, out_a, dy):
+    num_tokens, k = weights.shape
+    num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
+    slot, src = _slots(plan, capacity, num_experts)
+    tok = src // k
+    dweights = jnp.einsum("tkd,td->tk", out_a.reshape(num_tokens, k, d), dy)
+    row_weight = _take(_pad_row(weights.reshape(-1)), src)  # 0 on empty rows
+    dout = (_take(_pad_row(dy), tok) * row_weight[:, None]).reshape(num_experts, capacity, d)
+    h = _take(_pad_row(x), tok).reshape(num_experts, capacity, d)
+    gu = _take(_pad_row(gu_a), src).reshape(num_experts, capacity, 2 * f)
+    dh, dgate_up, ddown = _expert_ffn_grads(recipe, h, gu, dout, gate_up, down)
+    dh = dh.reshape(num_experts * capacity, d)
+    dx = _take(_pad_row(dh) if discard else dh, slot).reshape(num_tokens, k, d).sum(1)  # each token's k rows
+    return dx, dweights, dgate_up, ddown
+
+
+# The last capacity bucket (C = T, which no load can overflow) is the rare path, taken only when an expert
+# gets more than the largest factor x its balanced share. As one batched einsum its [E, T, .] buffers were
+# the largest of a whole training step (E x the buffers of any other bucket; XLA sizes temporaries for the
+# worst branch), so where they exceed `moe_overflow_loop_bytes` it runs one expert at a time instead: E GEMMs
+# over that expert's window of the sorted assignments, written back to assignment order by scatter. Same
+# math per row, 1/E of the memory. Small buffers keep the einsum: at decode sizes (T = 16 tokens, where the
+# 8-row buckets make the overflow bucket common) the loop took 2-3x as long.
+
+
+def _expert_window(plan: _Plan, expert, num_tokens: int):
+    """The assignments of `expert` as a fixed-size window of T rows: (src [T], valid [T]); invalid rows hold
+    T*k (one past the last assignment: scatters drop it, gathers from padded arrays read zeros)."""
+    num_assign = plan.order.shape[0]
+    order = jnp.concatenate([plan.order, jnp.full((num_tokens,), num_assign, plan.order.dtype)])
+    window = jax.lax.dynamic_slice(order, (plan.starts[expert],), (num_tokens,))
+    valid = jnp.arange(num_tokens) < plan.counts[expert]
+    return jnp.where(valid, window, num_assign), valid
+
+
+def _experts_fwd_looped(discard, recipe, x, weights, gate_up, down, plan):
+    del discard  # discarded assignments belong to no local expert: never written, they stay zero
+    num_tokens, k = weights.shape
+    num_experts, d, f = gate_up.shape[0], x.shape[1], down.shape[1]
+    x_pad = _pad_row(x)
+
+    def one_expert(e, carry):
+        out_a, gu_a = carry
+        src, _ = _expert_window(plan, e, num_tokens)
+        h = _take(x_pad, src // k)[None]
+        gu, out = _expert_ffn(recipe, h, gate_up[e][None], down[e][None])
+        out_a = out_a.at[src].set(out[0], mode="drop")
+        gu_a = gu_a.at[src].set(gu[0], mode="drop")
+        return out_a, gu_a
+
+    zeros = (jnp.zeros((num_tokens * k, d), x.dtype), jnp.zeros((num_tokens * k, 2 * f), x.dtype))
+    out_a, gu_a = jax.lax.fori_loop(0, num_experts, one_expert, zeros)
+    y = jnp.einsum("tkd,tk->td", out_a.reshape(num_tokens, k, d), weights)
+    return y, gu_a, out_a
+
+
+def _experts_bwd_looped(discard, recipe, x, weights, gate_up, down, plan, gu_a, out_a, dy):
+    del discard
+    num_tokens, k = weights.shape
+    num_experts, d = gate_up.shape[0], x.shape[1]
+    dweights = jnp.einsum("tkd,td->tk", out_a.reshape(num_tokens, k, d), dy)
+    x_pad, dy_pad, gu_pad = _pad_row(x), _pad_row(dy), _pad_row(gu_a)
+    weight_pad = _pad_row(weights.reshape(-1))
+
+    def one_expert(e, carry):
+        dh_a, dgate_up, ddown = carry
+        src, _ = _expert_window(plan, e, num_tokens)
+        tok = src // k
+        dout = _take(dy_pad, tok) * _take(weight_pad, src)[:, None]  # 0 on invalid rows
+        dh, dgu_e, ddown_e = _expert_ffn_grads(recipe, _take(x_pad, tok)[None], _take(gu_pad, src)[None],
+                                               dout[None], gate_up[e][None], down[e][None])
+        return (dh_a.at[src].set(dh[0], mode="drop"), dgate_up.at[e].set(dgu_e[0]), ddown.at[e].set(ddown_e[0]))
+
+    init = (jnp.zeros((num_tokens * k, d), x.dtype), jnp.zeros_like(gate_up), jnp.zeros_like(down))
+    dh_a, dgate_up, ddown = jax.lax.fori_loop(0, num_experts, one_expert, init)
+    return dh_a.reshape(num_tokens, k, d).sum(1), dweights, dgate_up, ddown
+
+
+def _fwd_branches(buckets, discard, recipe, loop):
+    branches = [partial(_experts_fwd_at, cap, discard, recipe) for cap in buckets]
+    if loop:  # the overflow bucket (C = T): one expert at a time
+        branches[-1] = partial(_experts_fwd_looped, discard, recipe)
+    return branches
+
+
+def _bwd_branches(buckets, discard, recipe, loop):
+    branches = [partial(_experts_bwd_at, cap, discard, recipe) for cap in buckets]
+    if loop:
+        branches[-1] = partial(_experts_bwd_looped, discard, recipe)
+    return branches
+
+
+def _bucket_index(buckets, counts, num_experts):
+    index = jnp.searchsorted(jnp.asarray(buckets), jnp.max(counts[:num_experts]), side="left")
+    return jnp.minimum(index, len(buckets) - 1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _sorted_experts(buckets, discard, recipe, loop, x, weights, gate_up, down, expert_ids):
+    return _sorted_experts_fwd(buckets, discard, recipe, loop, x, weights, gate_up, down, expert_ids)[0]
+
+
+def _sorted_experts_fwd(buckets, discard, recipe, loop, x, weights, gate_up, down, expert_ids):
+    num_experts = gate_up.shape[0]
+    plan = _plan(expert_ids, num_experts, discard)
+    y, gu_a, out_a = jax.lax.switch(_bucket_index(buckets, plan.counts, num_experts),
+                                    _fwd_branches(buckets, discard, recipe, loop),
+                                    x, weights, gate_up, down, plan)
+    return y, (x, weights, gate_up, down, plan, gu_a, out_a)
+
+
+def _sorted_experts_bwd(buckets, discard, recipe, loop, res, dy):
+    x, weights, gate_up, down, plan, gu_a, out_a = res
+    grads = jax.lax.switch(_bucket_index(buckets, plan.counts, gate_up.shape[0]),
+                           _bwd_branches(buckets, discard, recipe, loop),
+                           x, weights, gate_up, down, plan, gu_a, out_a, dy.astype(x.dtype))
+    return (*grads, None)
+
+
+_sorted_experts.defvjp(_sorted_experts_fwd, _sorted_experts_bwd)
+
+
+def dispatch_sorted(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_expert=None):
+    """Dropless sort + capacity-bucketed batched einsum (see module docstring).
+
+    With `first_expert` (expert parallelism), `gate_up`/`down` hold only experts
+    [first_expert, first_expert + E_local) and assignments to other experts contribute zero.
+    More than `cfg.moe_chunk_tokens` tokens are dispatched in equal chunks by a `lax.scan` (the last padded
+    with tokens that select no expert), each chunk with its own capacity bucket: the [E, C, .] buffers
+    then scale with the chunk, not with T, and the scan's residuals are the same [T*k, .] arrays."""
+    recipe = None if cfg.moe_quant == "bf16" else qlinear.get_recipe(cfg.moe_quant, cfg.moe_quant_division)
+    ids = routing.expert_ids
+    num_local = gate_up.shape[0]
+    discard = first_expert is not None
+    if discard:
+        local = ids - first_expert
+        ids = jnp.where((local >= 0) & (local < num_local), local, num_local).astype(jnp.int32)
+    weights, gate_up, down = routing.weights.astype(x.dtype), gate_up.astype(x.dtype), down.astype(x.dtype)
+    num_tokens, d = x.shape
+    chunk = cfg.moe_chunk_tokens
+
+    def loop(buckets):  # the overflow bucket one expert at a time: only where its buffer is large (config)
+        return len(buckets) > 1 and num_local * buckets[-1] * gate_up.shape[2] * x.dtype.itemsize \
+            > cfg.moe_overflow_loop_bytes
+
+    if not chunk or num_tokens <= chunk:
+        buckets = capacity_buckets(cfg, num_tokens)
+        return _sorted_experts(buckets, discard, recipe, loop(buckets), x, weights, gate_up, down, ids)
+    num_chunks = -(-num_tokens // chunk)
+    size = -(-num_tokens // num_chunks)
+    pad = num_chunks * size - num_tokens
+    if pad:  # padding tokens select the "not mine" group: they take no buffer rows and contribute zero
+        x = jnp.concatenate([x, jnp.zeros((pad, d), x.dtype)])
+        weights = jnp.concatenate([weights, jnp.zeros((pad, weights.shape[1]), weights.dtype)])
+        ids = jnp.concatenate([ids, jnp.full((pad, ids.shape[1]), num_local, ids.dtype)])
+        discard = True
+    buckets = capacity_buckets(cfg, size)
+
+    def one_chunk(carry, chunk_in):
+        xc, wc, ic = chunk_in
+        return carry, _sorted_experts(buckets, discard, recipe, loop(buckets), xc, wc, gate_up, down, ic)
+
+    chunks = (x.reshape(num_chunks, size, d), weights.reshape(num_chunks, size, -1),
+              ids.reshape(num_chunks, size, -1))
+    _, y = jax.lax.scan(one_chunk, None, chunks)
+    return y.reshape(num_chunks * size, d)[:num_tokens]

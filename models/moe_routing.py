@@ -1,0 +1,82 @@
+"""DeepSeek-V3 MoE routing: a sigmoid (or softmax) router with a selection-only bias, group-limited top-k and
+router replay. `route` turns tokens into a `Routing` (experts, combine weights, load counts, logits), which the
+dispatch paths (models/moe_dispatch.py) and expert parallelism (models/expert_parallel.py) consume.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from c2jax.models.config import ModelConfig
+
+
+class Routing(NamedTuple):
+    expert_ids: jnp.ndarray  # [T, k] int32, selected experts (what router replay records)
+    weights: jnp.ndarray  # [T, k] float32, combine weights (from unbiased scores)
+    counts: jnp.ndarray  # [E] int32, tokens routed to each expert (load-balancing statistic)
+    logits: jnp.ndarray  # [T, E] float32 router logits (for z-loss / diagnostics)
+
+
+def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.ndarray,
+          replay_ids: jnp.ndarray | None = None) -> Routing:
+    """Top-k routing of DeepSeek-V3 (sec. 2.1.2, "noaux_tc").
+
+    s = sigmoid(x W_r) (or softmax); selection uses s + b, where b is the aux-loss-free balancing bias;
+    with n_group > 1 only the topk_group groups with the largest top-2 sums of (s + b) are eligible.
+    Weights g = s[selected], renormalised to sum 1 if norm_topk_prob, then times routed_scaling_factor.
+    With `replay_ids` (router replay for RL) the selection is taken as given and only g is recomputed
+    from the live scores, so gradients still reach the router; with cfg.router_replay_filter_ratio > 0
+    implausible replayed experts are first swapped for the trainer's own (`_plausible_replay`), and the
+    returned expert_ids are the ones actually used (compare them with replay_ids for the firing rate).
+    """
+    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), w_router.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, -1)
+    num_experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if replay_ids is None:
+        choice = scores + bias.astype(jnp.float32)
+        if cfg.n_group > 1:
+            grouped = choice.reshape(-1, cfg.n_group, num_experts // cfg.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+            keep = jnp.zeros_like(group_scores, dtype=bool).at[
+                jnp.arange(group_scores.shape[0])[:, None], top_groups].set(True)
+            keep = jnp.repeat(keep, num_experts // cfg.n_group, axis=-1)
+            choice = jnp.where(keep, choice, -jnp.inf)
+        _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(choice), k)
+    else:
+        if replay_ids.shape != (x.shape[0], k):
+            raise ValueError(f"replay_ids shape {replay_ids.shape} != (tokens, top_k) {(x.shape[0], k)}")
+        expert_ids = replay_ids
+        if cfg.router_replay_filter_ratio > 0:
+            expert_ids = _plausible_replay(scores, scores + bias.astype(jnp.float32), replay_ids.astype(jnp.int32),
+                                           k, cfg.router_replay_filter_ratio)
+    expert_ids = expert_ids.astype(jnp.int32)
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
+    counts = jnp.zeros((num_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(1)
+    return Routing(expert_ids, weights, counts, logits)
+
+
+def _plausible_replay(scores, choice, replay_ids, k: int, ratio: float) -> jnp.ndarray:
+    """Router replay plausibility filter (Composer 2 sec. 5; threshold form of prime-rl PR #2703).
+
+    Keep replayed expert e of token t iff s[t, e] >= ratio * min_{j in topk_t} s[t, j], where topk_t is the
+    trainer's own top-k by the selection score s + b. Each rejected slot takes, in rank order, the best
+    trainer candidate not already among the kept replayed experts, so the k ids stay distinct.
+    """
+    scores, choice = jax.lax.stop_gradient(scores), jax.lax.stop_gradient(choice)
+    _, own = jax.lax.top_k(choice, k)  # [T, k], best first
+    threshold = ratio * jnp.take_along_axis(scores, own, axis=-1).min(-1, keepdims=True)
+    keep = jnp.take_along_axis(scores, replay_ids, axis=-1) >= threshold
+    kept_ids = jnp.where(keep, replay_ids, -1)
+    free = ~(own[:, :, None] == kept_ids[:, None, :]).any(-1)  # trainer candidates still available
+    drop_rank = jnp.cumsum(~keep, axis=-1) - 1
+    free_rank = jnp.cumsum(free, axis=-1) - 1
+    match = (~keep)[:, :, None] & free[:, None, :] & (drop_rank[:, :, None] == free_rank[:, None, :])
+    backfill = jnp.sum(jnp.where(match, own[:, None, :], 0), axis=-1)
+    return jnp.where(keep, replay_ids, backfill)
