@@ -131,6 +131,7 @@ def test_nvfp4_per_token_output_is_invariant_to_the_batch_per_tensor_is_not(tmp_
     assert sweep["per_token"]["probe_zero_block_fraction"] == [0.0] * len(sweep["ratio"])
 
 
+@pytest.mark.xla_default_codegen
 def test_approximate_division_changes_nvfp4_codes_never_mxfp8(tmp_path):
     result = _load_script("07_division").main(["--quick", "--out", str(tmp_path)])
     assert (tmp_path / "division.png").stat().st_size > 0 and any((tmp_path / "tb").iterdir())

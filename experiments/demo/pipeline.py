@@ -518,7 +518,12 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
     write_transcripts([t for t in tasks if t.id in answers], jsonl, episode_config(cfg), sandbox_factory(cfg),
                       grade_first=0, seed=cfg.seed)
     tok = Tokenizer.from_file(str(out / "tokenizer" / DATA_FILE))
-    fmt, ans = [], []
+    distractors = {t.id: t.metadata.get("distractor") for t in tasks}
+    from c2jax.rl.tasks.ladder import closed_vocabulary
+
+    # the first token of each word that carries a task's information, as it follows `"content": "`
+    word_ids = {w: tok.encode(w, add_special_tokens=False).ids[0] for w in closed_vocabulary()[0]}
+    fmt, ans, copy = [], [], []
     for rec in map(json.loads, jsonl.read_text().splitlines()):
         escaped = json.dumps(answers[rec["task_id"]])[1:-1]
         start = rec["completion"].find('"content": "' + escaped + '"')
@@ -537,8 +542,25 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
         in_answer = np.array([a < end and b > start for a, b in enc.offsets])
         fmt.append(nll[~in_answer])
         ans.append(nll[in_answer])
+        answer_word, distractor = answers[rec["task_id"]].strip(), distractors.get(rec["task_id"])
+        if distractor in word_ids and word_ids[answer_word] != word_ids[distractor]:
+            # the next-token distribution where the answer starts, over the closed vocabulary's words (their
+            # distinct first tokens: with a small BPE two words may start alike)
+            p = np.exp(np.asarray(logp[len(prompt) - 1 + int(np.argmax(in_answer))]))
+            copy.append((float(p[word_ids[answer_word]]), float(p[word_ids[distractor]]),
+                         float(p[sorted(set(word_ids.values()))].sum())))
     if not ans:
         return None
+    if copy:
+        # what the cliff between demo runs is (docs/demo_regime.md): a model that copies puts its mass on the two
+        # words in the context (answer + distractor, near 1 of the word mass); one that has not learned to copy
+        # spreads it over the ~40 words of the closed vocabulary (2 / 40 = 0.05)
+        p_ans, p_dis, p_all = (np.array(c) for c in zip(*copy))
+        copy_stats = {"p_answer_word": float(p_ans.mean()), "p_distractor_word": float(p_dis.mean()),
+                      "context_share_of_word_mass": float(((p_ans + p_dis) / np.maximum(p_all, 1e-30)).mean()),
+                      "answer_over_distractor": float((p_ans / np.maximum(p_ans + p_dis, 1e-30)).mean())}
+    else:
+        copy_stats = {}
     width = min(len(a) for a in ans)
     return {"tasks": len(ans), "format_tokens": float(np.mean([len(f) for f in fmt])),
             "format_nll_per_token": float(np.concatenate(fmt).mean()),
@@ -546,7 +568,7 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
             "answer_nll_per_token": float(np.concatenate(ans).mean()),
             "answer_nll_sum": float(np.mean([a.sum() for a in ans])),
             "p_exact_answer": float(np.mean([np.exp(-a.sum()) for a in ans])),
-            "answer_nll_by_position": [float(x) for x in np.mean([a[:width] for a in ans], 0)]}
+            "answer_nll_by_position": [float(x) for x in np.mean([a[:width] for a in ans], 0)], **copy_stats}
 
 
 def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict:
@@ -594,7 +616,10 @@ def stage_eval(cfg: DemoConfig, out: Path, model, label: str, step: int) -> dict
     if al := row["answer_likelihood"]:
         print(f"eval {label}: reference completion NLL/token: format {al['format_nll_per_token']:.3f}, answer "
               f"{al['answer_nll_per_token']:.3f} ({al['answer_tokens']:.1f} tokens); P(exact answer) "
-              f"{al['p_exact_answer']:.2e}")
+              f"{al['p_exact_answer']:.2e}" + (f"; at the answer, word mass on the context's two words "
+                                                f"{al['context_share_of_word_mass']:.2f} (copying; 0.05 uniform), "
+                                                f"answer vs distractor {al['answer_over_distractor']:.2f}"
+                                                if "context_share_of_word_mass" in al else ""))
     return row
 
 

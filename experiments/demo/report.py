@@ -129,7 +129,13 @@ def answer_likelihood_section(before: dict, after: dict) -> list[str]:
          "| reference completion | before RL | after RL |\n|---|---|---|"]
     rows = [("format NLL / token", "format_nll_per_token", "{:.3f}"), ("format tokens", "format_tokens", "{:.0f}"),
             ("answer NLL / token", "answer_nll_per_token", "{:.3f}"), ("answer tokens", "answer_tokens", "{:.1f}"),
-            ("answer NLL, sum", "answer_nll_sum", "{:.2f}"), ("P(exact answer)", "p_exact_answer", "{:.2e}")]
+            ("answer NLL, sum", "answer_nll_sum", "{:.2f}"), ("P(exact answer)", "p_exact_answer", "{:.2e}"),
+            # copying (docs/demo_regime.md): the share of the answer position's word mass on the two words of the
+            # context, and how it splits between the answer and the distractor
+            ("P(answer word)", "p_answer_word", "{:.3f}"), ("P(distractor word)", "p_distractor_word", "{:.3f}"),
+            ("word mass on the context's two words", "context_share_of_word_mass", "{:.3f}"),
+            ("answer / (answer + distractor)", "answer_over_distractor", "{:.3f}")]
+    rows = [r for r in rows if r[1] in before and r[1] in after]
     for name, key, fmt in rows:
         L.append(f"| {name} | {fmt.format(before[key])} | {fmt.format(after[key])} |")
     L.append("| answer NLL by position | " + " ".join(f"{x:.2f}" for x in before["answer_nll_by_position"])
