@@ -74,10 +74,8 @@ def test_demo_quick_end_to_end(tmp_path):
         assert min(al["answer_nll_by_position"]) >= 0.0
         # the copy diagnostic: shares of the answer position's mass over the closed vocabulary's words
         for key in ("context_share_of_word_mass", "answer_over_distractor"):
-            if key in al:
-                assert 0.0 <= al[key] <= 1.0 + 1e-6, (key, al[key])
-        if "p_answer_word" in al:
-            assert al["p_answer_word"] + al["p_distractor_word"] <= 1.0 + 1e-6
+            assert 0.0 <= al[key] <= 1.0 + 1e-6, (key, al[key])
+        assert 0.0 < al["p_answer_word"] + al["p_distractor_word"] <= 1.0 + 1e-6
     # RL's effect: paired per-task differences with bootstrap intervals, overall and per rung
     effect = results["rl_effect"]
     assert set(effect["categories"]) == {"echo", "lookup"} and effect["all"]["tasks"] == 2
