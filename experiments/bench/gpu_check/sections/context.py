@@ -6,7 +6,7 @@ that cannot run here raises `Skip`; one that raises anything else is recorded as
 the section goes on with the next.
 
 Peak: the H200's dense bf16 matmul rate as measured on this machine kind (an 8192^3 bf16 product through
-PyTorch ran at 769-798 TFLOP/s on random data; /work/.library/device KINDS.md), 790 TFLOP/s; the `env`
+PyTorch ran at 769-798 TFLOP/s on random data; the device service's KINDS.md), 790 TFLOP/s; the `env`
 section measures it again through XLA and reports both. On the CPU (dry run) percentages are against a
 float32 matmul measured there and mean nothing.
 
