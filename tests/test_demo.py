@@ -219,3 +219,57 @@ def test_imperfect_teacher_copies_the_distractor_in_the_stated_fraction_and_fail
     assert wrong == stats["erring_episodes"] and 25 <= wrong <= 55  # Binomial(80, 0.5): P(outside) < 1e-3
     with pytest.raises(ValueError, match="teacher_error"):
         write_transcripts(tasks[:1], tmp_path / "v.jsonl", episode_config(cfg), sandbox_factory(cfg), teacher_error=1.0)
+
+
+def test_copy_probe_scores_the_first_answer_token_as_a_plain_forward_does(tmp_path):
+    """The copy probe's eval batches (padded rows, one scored position each) give the same NLL as scoring the
+    answer word's first token after `[bos] + prefix` with the model directly: -log softmax at the last prefix
+    position."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from c2jax.data.tokenizer import load_tokenizer
+    from c2jax.models.transformer import init
+    from c2jax.rl.system.envs import byte_tokenizer
+    from c2jax.train.evaluate import eval_loss, make_eval_step
+    from experiments.demo.copy_probe import probe_batch, probe_sources
+    from experiments.demo.pipeline import DemoConfig, ladder, model_config, write_copy_probe
+    from experiments.demo.tokenizer import data_tokenizer
+
+    cfg = DemoConfig(**{**DemoConfig.quick_defaults(), "eval_tasks": 2, "out": str(tmp_path)})
+    (tmp_path / "tokenizer").mkdir()
+    data_tokenizer(byte_tokenizer()).save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    tasks = ladder(tmp_path / "eval" / "tasks", cfg.seed + 1000, cfg.eval_tasks, cfg.rung_list)
+    stats = write_copy_probe(cfg, tmp_path, tasks)
+    rows = [json.loads(line) for line in open(stats["path"])]
+    assert stats["rows"] == len(rows) == 4  # one answer-writing turn per task, 2 tasks x 2 rungs
+    for row in rows:
+        assert row["prefix"].endswith('"content": "') and row["answer"] != row["distractor"]
+        assert row["distractor"] in row["prefix"] and row["answer"] in row["prefix"]  # both words are in context
+    tok = load_tokenizer(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    model = init(model_config(cfg, tok.vocab_size), seed=3)
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    step = make_eval_step(graphdef)
+    for word in ("answer", "distractor"):
+        expected = []
+        for row in rows:
+            prefix = [tok.bos_id] * (tok.bos_id is not None) + tok.encode(row["prefix"])  # as the pipeline packs
+            logp = jax.nn.log_softmax(model(np.asarray([prefix], np.int32), return_mtp=False).logits[0, -1])
+            expected.append(-float(logp[tok.encode(row[word])[0]]))
+        seq = 1024  # the byte tokenizer's prefixes are ~700 tokens
+        batch = probe_batch(rows, tok, word, seq)
+        assert batch["loss_mask"].sum() == len(rows)
+        got = eval_loss(step, params, state, probe_sources(rows, tok, seq)[f"copy_{word}"](), 1)
+        assert got == pytest.approx(np.mean(expected), rel=1e-5)
+    with pytest.raises(ValueError, match="longer than seq_len"):
+        probe_batch(rows, tok, "answer", 8)
+
+
+def test_copy_formation_step_is_the_first_probe_below_the_threshold():
+    from experiments.demo.copy_probe import formation_step
+
+    curve = [{"sft_step": 50, "copy_answer": 3.3}, {"sft_step": 25, "copy_answer": 3.4},
+             {"sft_step": 75, "copy_answer": 0.9}, {"sft_step": 100, "copy_answer": 1.2}]
+    assert formation_step(curve) == 75
+    assert formation_step(curve, threshold=0.5) is None

@@ -59,10 +59,13 @@ class PhaseConfig:
     loss_mask: Literal["all", "completion"] | None = None  # None: the data config's
     train_mtp: bool | None = None  # None: train MTP iff step >= mtp_init_step
     reset_optimizer: bool = False  # fresh optimizer moments when the phase starts (the LR schedule continues)
+    eval_every: int | None = None  # held-out eval cadence in this phase (global steps); None: eval.every
 
     def __post_init__(self):
         if self.steps <= 0 or self.grad_accum <= 0 or self.seq_len < 0 or self.batch_size < 0:
             raise ConfigError(f"phase {self.name}: steps and grad_accum must be > 0, seq_len/batch_size >= 0")
+        if self.eval_every is not None and self.eval_every < 0:
+            raise ConfigError(f"phase {self.name}: eval_every must be >= 0 (0: no eval), got {self.eval_every}")
 
 
 @dataclass(frozen=True)

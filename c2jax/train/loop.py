@@ -168,6 +168,7 @@ class Trainer:
                  eval_sources: Callable[[PretrainConfig, PhaseConfig], Mapping] | None = data_eval_sources,
                  tensorboard: bool = True):
         self.batches, self.eval_sources = batches, eval_sources
+        self._eval_steps: dict[str, Callable] = {}
         model = self._initial_model(cfg)
         cfg = self.cfg = dataclasses.replace(cfg, model=model.cfg)  # the architecture actually trained
         if batches is data_batches:
@@ -286,8 +287,10 @@ class Trainer:
 
     def evaluate(self, phase: PhaseConfig) -> dict[str, float]:
         cfg, out = self.cfg, {}
-        graphdef = nnx.split(nnx.eval_shape(lambda: init(phase_model_config(cfg, phase))), nnx.Param, ...)[0]
-        eval_step = make_eval_step(graphdef)
+        if phase.name not in self._eval_steps:  # one jitted eval step per phase: no retrace per eval
+            graphdef = nnx.split(nnx.eval_shape(lambda: init(phase_model_config(cfg, phase))), nnx.Param, ...)[0]
+            self._eval_steps[phase.name] = make_eval_step(graphdef)
+        eval_step = self._eval_steps[phase.name]
         if self.eval_sources is not None:
             for name, make in self.eval_sources(cfg, phase).items():
                 out[f"eval_loss/{name}"] = eval_loss(eval_step, self.state.params, self.state.model_state,
@@ -371,7 +374,8 @@ class Trainer:
                 host["mfu"] = host["tokens_per_s"] * flops_token[seq] / peak
                 self.writer.write(step, host)
                 last = now
-            if cfg.eval.every and step % cfg.eval.every == 0 and (self.eval_sources is not None or cfg.eval.codebase):
+            every = cfg.eval.every if phase.eval_every is None else phase.eval_every
+            if every and step % every == 0 and (self.eval_sources is not None or cfg.eval.codebase):
                 self.writer.write(step, self.evaluate(phase), kind="eval")
             if step % cfg.checkpoint.every == 0 or step == cfg.total_steps:
                 self.save()

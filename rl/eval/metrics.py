@@ -121,6 +121,34 @@ def bootstrap_ci(values: Sequence[float], *, n_boot: int = 2000, alpha: float = 
     return float(lo), float(hi)
 
 
+def hierarchical_bootstrap_ci(groups: Sequence[Sequence[float]], *, n_boot: int = 2000, alpha: float = 0.05,
+                              seed: int = 0) -> tuple[float, float]:
+    """Two-level percentile bootstrap of the grand mean over `groups` (one sequence of per-task values per seed):
+    resample the seeds with replacement, then the tasks within each drawn seed, and average the drawn seeds'
+    means (each seed weighs the same). Its interval covers both the seed-to-seed and the task sampling
+    variation (Davison & Hinkley 1997, sec. 3.8, "case resampling at both stages")."""
+    arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+    if not arrays or any(a.ndim != 1 or a.size == 0 for a in arrays):
+        raise ValueError("hierarchical bootstrap needs at least one seed, each with a non-empty 1-D sequence of "
+                         "per-task values")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if n_boot <= 0:
+        raise ValueError(f"n_boot must be positive, got {n_boot}")
+    rng = np.random.default_rng(seed)
+    n = len(arrays)
+    seeds = rng.integers(0, n, size=(n_boot, n))
+    boots = np.zeros(n_boot)
+    for s, a in enumerate(arrays):  # every pick of seed s draws its own resample of s's tasks
+        picks = seeds == s
+        sums = np.zeros(picks.shape)
+        sums[picks] = a[rng.integers(0, a.size, size=(int(picks.sum()), a.size))].mean(axis=1)
+        boots += sums.sum(axis=1)
+    boots /= n
+    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
 def cost_usd(input_tokens: float, output_tokens: float, *, input_per_m: float, output_per_m: float) -> float:
     """Inference cost in dollars at list prices per million tokens (Composer 2 Standard: $0.50 / $2.50,
     report §1); cached-input discounts are not modelled."""

@@ -1,0 +1,5 @@
+import sys
+
+from experiments.seeds.runner import main
+
+sys.exit(main())

@@ -1,0 +1,112 @@
+"""experiments.seeds: seeds as an axis (issue 38 item 3). A tiny stand-in experiment writes results.json with
+per-task values; the runner runs it per seed, resumes, reports failures, and summarises with the intervals."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from c2jax.rl.eval.metrics import bootstrap_ci, hierarchical_bootstrap_ci
+from experiments.seeds.figures import SeedFigures, summarize
+from experiments.seeds.runner import build_command, main, parse_seeds
+
+
+def test_parse_seeds_ranges_and_lists():
+    assert parse_seeds("0-4") == [0, 1, 2, 3, 4]
+    assert parse_seeds("0-2,9") == [0, 1, 2, 9]
+    for bad, msg in (("3-1", "backwards"), ("a", "not a seed"), ("1,1", "twice")):
+        with pytest.raises(ValueError, match=msg):
+            parse_seeds(bad)
+
+
+def test_hierarchical_bootstrap_reduces_to_the_one_level_cases():
+    rng = np.random.default_rng(0)
+    # one seed: the task bootstrap of that seed (same interval up to Monte Carlo error)
+    x = rng.normal(size=60)
+    lo1, hi1 = bootstrap_ci(x, n_boot=20000)
+    lo2, hi2 = hierarchical_bootstrap_ci([x], n_boot=20000)
+    assert abs(lo1 - lo2) < 0.03 and abs(hi1 - hi2) < 0.03
+    # no task variation within a seed: the bootstrap over the seeds' means
+    means = [0.1, 0.5, 0.3, 0.9, 0.2]
+    lo1, hi1 = bootstrap_ci(means, n_boot=20000)
+    lo2, hi2 = hierarchical_bootstrap_ci([[m] * 30 for m in means], n_boot=20000)
+    assert abs(lo1 - lo2) < 0.02 and abs(hi1 - hi2) < 0.02
+    # both sources of variation: wider than either alone
+    groups = [m + rng.normal(scale=0.5, size=30) for m in means]
+    lo3, hi3 = hierarchical_bootstrap_ci(groups, n_boot=20000)
+    lo4, hi4 = bootstrap_ci([g.mean() for g in groups], n_boot=20000)
+    assert hi3 - lo3 > hi4 - lo4
+    with pytest.raises(ValueError, match="non-empty"):
+        hierarchical_bootstrap_ci([[1.0], []])
+
+
+def test_summary_counts_seeds_whose_own_interval_is_above_zero():
+    figs = {s: SeedFigures({"effect": d}, {"effect": [d - 0.1, d + 0.1]}, {"effect": (d - w, d + w)})
+            for s, (d, w) in enumerate([(0.2, 0.1), (0.1, 0.2), (0.3, 0.05)])}
+    figs[3] = SeedFigures({"effect": float("nan")})
+    row = summarize(figs, n_boot=2000)["effect"]
+    assert row["seeds"] == 3 and row["missing"] == 1
+    assert row["mean"] == pytest.approx(0.2)
+    assert row["seeds_ci_above_0"] == 2 and row["seeds_with_ci"] == 3 and row["seeds_positive"] == 3
+    lo, hi = row["ci_over_seeds"]
+    assert 0.1 <= lo <= 0.2 <= hi <= 0.3
+    assert len(row["ci_seeds_and_tasks"]) == 2
+
+
+STANDIN = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+    seed, out = int(sys.argv[1]), Path(sys.argv[2])
+    if seed == 13:
+        sys.exit(3)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / "calls.txt", "a") as f:
+        f.write(f"{seed}\\n")
+    json.dump({"reward": 0.1 * seed, "nested": {"loss": 2.0 - seed}, "per": [1, 2]}, open(out / "results.json", "w"))
+''')
+
+
+def test_runner_runs_each_seed_once_resumes_and_reports_a_failed_seed(tmp_path, capsys):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    out = tmp_path / "study"
+    cmd = ["--", sys.executable, str(script), "{seed}", "{out}"]
+    assert main(["--seeds", "0-2", "--out", str(out), *cmd]) == 0
+    result = json.loads((out / "seeds.json").read_text())
+    assert [r["status"] for r in result["per_seed"]] == ["ok"] * 3
+    assert result["summary"]["reward"]["mean"] == pytest.approx(0.1)
+    assert result["summary"]["nested.loss"]["mean"] == pytest.approx(1.0)
+    assert "machine" in result and "load_avg_start" in result["machine"]
+    md = (out / "SEEDS.md").read_text()
+    assert "seed 2" in md and "95% CI over seeds" in md
+    # rerun with more seeds: the finished ones are reused, the new one runs; a failing seed is reported
+    assert main(["--seeds", "0-3,13", "--out", str(out), "--parallel", "2", *cmd]) == 1
+    calls = sorted(int(x) for x in (out / "calls.txt").read_text().split())
+    assert calls == [0, 1, 2, 3]
+    result = json.loads((out / "seeds.json").read_text())
+    assert {r["seed"]: r["status"] for r in result["per_seed"]}[13] == "exit 3"
+    assert result["summary"]["reward"]["seeds"] == 4
+    assert "seeds not ok: [13]" in capsys.readouterr().err
+
+
+def test_build_command_for_the_demo_and_an_ablation(tmp_path):
+    argv, fig = build_command(["demo", "--until", "eval"], 4, tmp_path / "seed-4")
+    assert fig == "demo" and argv[1:] == ["-m", "experiments.demo", "--seed", "4", "--out", str(tmp_path / "seed-4"),
+                                          "--until", "eval"]
+    with pytest.raises(ValueError, match="set by the seed runner"):
+        build_command(["demo", "--seed", "1"], 0, tmp_path)
+    run = tmp_path / "seed-2"
+    run.mkdir()
+    argv, fig = build_command(["ablation02", "--quick"], 2, run)
+    assert fig == "ablation02" and "experiments.ablations.02_rl_lifts_best_of_k.run" in argv and "--quick" in argv
+    import yaml
+
+    assert yaml.safe_load((run / "config.yaml").read_text())["seed"] == 2
+    with pytest.raises(ValueError, match="no ablation"):
+        build_command(["ablation99"], 0, run)
+    with pytest.raises(ValueError, match="must take the seed"):
+        build_command(["--", "python", "x.py"], 0, run)
