@@ -45,9 +45,8 @@ class DemoConfig:
     layers: int = 2
     heads: int = 2
     experts: int = 4
-    # the input embedding doubles as the output projection (as small models such as Qwen3-0.6B do): a word's
-    # embedding then also is its output direction, which is what copying a word from the context needs
-    # (docs/demo_regime.md)
+    # the input embedding doubles as the output projection (as small models such as Qwen3-0.6B do). Measured
+    # (docs/demo_regime.md, seeds 0 and 1): it did not make copying form sooner; off by default
     tie_embeddings: bool = False
     # the tokenizer: a byte-level BPE (c2jax.data.bpe's code pre-tokenizer) trained on the SFT transcripts and
     # standard-library text, + the chat special tokens. Whole words become tokens, so a ladder answer is a word
@@ -354,14 +353,21 @@ def stage_data(cfg: DemoConfig, out: Path) -> dict:
     return stats
 
 
+def answer_contents(tasks: list) -> dict[str, str]:
+    """{task id: what the scripted oracle writes to answer.txt} for the tasks that write one."""
+    from experiments.demo.transcripts import direct_oracle_turns
+
+    return {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
+            if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
+
+
 def write_copy_probe(cfg: DemoConfig, out: Path, tasks: list) -> dict:
     """The scripted oracle's reference turns on the HELD-OUT tasks and the copy probe's rows cut from them
     (experiments/demo/copy_probe.py): data/heldout_reference.jsonl, data/copy_probe.jsonl."""
     from experiments.demo.copy_probe import probe_records
-    from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
+    from experiments.demo.transcripts import write_transcripts
 
-    answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
-               if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
+    answers = answer_contents(tasks)
     reference = out / "data" / "heldout_reference.jsonl"
     write_transcripts([t for t in tasks if t.id in answers], reference, episode_config(cfg), sandbox_factory(cfg),
                       grade_first=0, seed=cfg.seed)
@@ -494,7 +500,7 @@ def stage_cpt(cfg: DemoConfig, out: Path, data: dict, base: dict) -> dict:
         last = res["copy_probe"][-1]
         print(f"copy probe (held-out, {len(rows)} rows): answer NLL {last['copy_answer']:.3f}, distractor NLL "
               f"{last['copy_distractor']:.3f} at SFT step {last['sft_step']}; answer NLL < 1 from SFT step "
-              f"{formed if formed is not None else 'never'} (ln 16 = 2.77: not copying)")
+              f"{formed if formed is not None else 'never'} (3.28 = the teacher's 0.6 over 16 values: not copying)")
     for p in res["phases"]:
         print(f"cpt/{p['name']}: loss {p['first_loss']:.3f} -> {p['last_loss']:.3f} over {p['steps']} steps")
     return res
@@ -556,10 +562,9 @@ def answer_likelihood(cfg: DemoConfig, out: Path, model, label: str, tasks: list
     from tokenizers import Tokenizer
 
     from experiments.demo.tokenizer import DATA_FILE
-    from experiments.demo.transcripts import direct_oracle_turns, write_transcripts
+    from experiments.demo.transcripts import write_transcripts
 
-    answers = {t.id: c["arguments"]["content"] for t in tasks for turn in direct_oracle_turns(t) for c in turn
-               if c["name"] == "write_file" and c["arguments"]["path"] == "answer.txt"}
+    answers = answer_contents(tasks)
     if not answers:
         return None
     jsonl = out / "eval" / label / "reference_completions.jsonl"
