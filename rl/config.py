@@ -75,6 +75,9 @@ class KLConfig:
             raise ConfigError(f"kl.coef and kl.refresh_every must be >= 0, got {self.coef}, {self.refresh_every}")
 
 
+PENALTY_GATES = ("always", "resolved", "mixed_groups")
+
+
 @dataclass(frozen=True)
 class LengthPenaltyConfig:
     """x = sum_c weight_c * count_c; penalty = scale * C_{k,q}(x) (rl/length_penalty.py)."""
@@ -88,10 +91,23 @@ class LengthPenaltyConfig:
     final_message_tokens: float = 1.0
     tool_calls: float = 50.0
     turns: float = 50.0
+    # which episodes pay it. The report's penalty buys efficiency on tasks the agent solves; at a low solve rate an
+    # ungated penalty is most of a group's reward spread and trains brevity instead of solving (issue 38):
+    #   always        every episode (the report's formula as written)
+    #   resolved      only episodes whose verdict >= resolved_at (efficiency among successes)
+    #   mixed_groups  only in groups whose verdicts differ (all-fail / all-pass groups get the bare verdict)
+    gate: str = "always"
+    resolved_at: float = 1.0
+    # linear ramp of `scale` from 0 over this many policy versions from the run's start (0: full scale at once)
+    anneal_steps: int = 0
 
     def __post_init__(self):
         if self.k <= 0 or self.q < 0 or self.scale < 0:
             raise ConfigError(f"length penalty needs k > 0, q >= 0, scale >= 0; got {self.k}, {self.q}, {self.scale}")
+        if self.gate not in PENALTY_GATES:
+            raise ConfigError(f"length_penalty.gate must be one of {', '.join(PENALTY_GATES)}, got {self.gate!r}")
+        if self.anneal_steps < 0:
+            raise ConfigError(f"length_penalty.anneal_steps must be >= 0, got {self.anneal_steps}")
 
 
 @dataclass(frozen=True)

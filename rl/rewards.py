@@ -66,12 +66,16 @@ def terminal_only(summary, min_calls: int = 3):
 
 def compute_reward(summary: Mapping[str, float], cfg: RewardConfig) -> tuple[float, dict[str, float]]:
     """R = w_c * correctness - length_penalty + sum_a w_a * aux_a(summary). Returns (R, components) where
-    components holds every term unweighted ('correctness', 'length_penalty', 'aux/<name>') for logging."""
+    components holds every term unweighted ('correctness', 'length_penalty', 'aux/<name>') for logging. The
+    penalty's `resolved` gate is applied here (one episode's verdict); `mixed_groups` and `anneal_steps` need the
+    group and the policy version (rl/system/groups.Group.gate_length_penalty)."""
     unknown = set(cfg.auxiliary) - set(AUXILIARY_REWARDS)
     if unknown:
         raise ValueError(f"unknown auxiliary reward(s) {sorted(unknown)}; known: {sorted(AUXILIARY_REWARDS)}")
     correctness = float(summary.get("correctness", 0.0))
     penalty = length_penalty(summary, cfg.length_penalty)
+    if cfg.length_penalty.gate == "resolved" and correctness < cfg.length_penalty.resolved_at:
+        penalty = 0.0
     components = {"correctness": correctness, "length_penalty": penalty}
     total = cfg.correctness_weight * correctness - penalty
     for name, weight in cfg.auxiliary.items():

@@ -2,6 +2,7 @@
 on local Ray with the NumPy fake learner/sampler (async, sync, fault injection, resume) and with the real
 tiny model (rl_step + InferenceEngine)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -621,11 +622,44 @@ def test_agentic_reward_applies_the_configured_length_penalty_and_keeps_the_verd
     effort = episode_effort(traj)
     assert effort == {"thinking_tokens": 0.0, "tool_call_tokens": 6.0, "final_message_tokens": 3.0,
                       "tool_output_tokens": 4.0, "tool_calls": 1.0, "turns": 2.0}
-    assert shaped_reward(1.0, traj, RewardConfig()) == 1.0 and shaped_reward(0.0, traj, None) == 0.0
+    assert shaped_reward(1.0, traj, RewardConfig()) == (1.0, 0.0) and shaped_reward(0.0, traj, None) == (0.0, 0.0)
     lp = LengthPenaltyConfig(scale=0.01, k=1e-3, q=0.5)
     x = 6 + 3 + 0.25 * 4 + 50 * 1 + 50 * 2  # the default weights: tool output 0.25, tool calls and turns 50
-    want = 1.0 - 0.01 * ((1 + 1e-3 * x) ** 0.5 - 1) / (1e-3 * 0.5)
-    assert shaped_reward(1.0, traj, RewardConfig(length_penalty=lp)) == pytest.approx(want, rel=1e-9)
+    penalty = 0.01 * ((1 + 1e-3 * x) ** 0.5 - 1) / (1e-3 * 0.5)
+    assert shaped_reward(1.0, traj, RewardConfig(length_penalty=lp)) == pytest.approx((1.0 - penalty, penalty),
+                                                                                        rel=1e-9)
+    assert shaped_reward(0.0, traj, RewardConfig(length_penalty=lp)) == pytest.approx((-penalty, penalty), rel=1e-9)
+    # the `resolved` gate: only a solved episode pays for its length
+    resolved = RewardConfig(length_penalty=dataclasses.replace(lp, gate="resolved"))
+    assert shaped_reward(0.0, traj, resolved) == (0.0, 0.0)
+    assert shaped_reward(1.0, traj, resolved) == pytest.approx((1.0 - penalty, penalty), rel=1e-9)
+
+
+def _penalised_group(verdicts, version=0, penalty=0.1):
+    from c2jax.rl.system.groups import Group, Rollout, sequence
+
+    seq = sequence([1, 2], [0, 1], [0.0, -0.5], [-1, version])
+    return Group("g", "p", [Rollout([seq], v - penalty, correctness=v, length_penalty=penalty) for v in verdicts])
+
+
+def test_group_level_length_penalty_gates_give_the_penalty_back():
+    """`mixed_groups` returns the penalty to every episode of a group whose verdicts are all equal (an all-fail
+    group then carries no advantage at all); `anneal_steps` scales it by the sampling version / anneal_steps."""
+    from c2jax.rl.config import LengthPenaltyConfig
+
+    mixed = LengthPenaltyConfig(scale=1e-3, gate="mixed_groups")
+    fails = _penalised_group([0.0, 0.0, 0.0]).gate_length_penalty(mixed)
+    assert fails.rewards.tolist() == [0.0, 0.0, 0.0] and all(r.length_penalty == 0 for r in fails.rollouts)
+    both = _penalised_group([0.0, 1.0, 0.0]).gate_length_penalty(mixed)
+    np.testing.assert_allclose(both.rewards, [-0.1, 0.9, -0.1], rtol=1e-6)
+    always = _penalised_group([0.0, 0.0]).gate_length_penalty(LengthPenaltyConfig(scale=1e-3))
+    np.testing.assert_allclose(always.rewards, [-0.1, -0.1], rtol=1e-6)
+    ramp = LengthPenaltyConfig(scale=1e-3, anneal_steps=4)
+    np.testing.assert_allclose(_penalised_group([1.0], version=1).gate_length_penalty(ramp).rewards, [1.0 - 0.025],
+                               rtol=1e-6)
+    np.testing.assert_allclose(_penalised_group([1.0], version=9).gate_length_penalty(ramp).rewards, [0.9], rtol=1e-6)
+    with pytest.raises(Exception, match="gate must be one of"):
+        LengthPenaltyConfig(gate="solved")
 
 
 # ------------------------------------------------------------------- agentic RL that learns, CI-sized

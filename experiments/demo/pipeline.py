@@ -101,6 +101,9 @@ class DemoConfig:
     # policy's own confidence a worse best-of-K selector (measured: best-of-2 +0.060 [-0.008, +0.122] without,
     # +0.068 [+0.016, +0.122] with; echo episodes ending cleanly after RL 30/128 without, 92/128 with)
     rl_length_penalty: float = 1e-3
+    # who pays it (LengthPenaltyConfig.gate: always, resolved, mixed_groups) and a ramp over the first N RL steps
+    rl_penalty_gate: str = "always"
+    rl_penalty_anneal: int = 0
     # evaluation on HELD-OUT ladder tasks (another seed), per rung
     eval_tasks: int = 32
     eval_k: int = 4  # samples per held-out task
@@ -121,7 +124,7 @@ class DemoConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            may_be_zero = ("seed", "rl_warmup", "teacher_error", "rl_length_penalty")
+            may_be_zero = ("seed", "rl_warmup", "teacher_error", "rl_length_penalty", "rl_penalty_anneal")
             if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in may_be_zero and v <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be positive, got {v}")
         from c2jax.rl.tasks.ladder import RUNGS
@@ -132,6 +135,11 @@ class DemoConfig:
                              f"{self.rungs!r}")
         if self.until not in UNTIL:
             raise ValueError(f"--until must be one of {', '.join(UNTIL)}, got {self.until!r}")
+        from c2jax.rl.config import PENALTY_GATES
+
+        if self.rl_penalty_gate not in PENALTY_GATES:
+            raise ValueError(f"--rl-penalty-gate must be one of {', '.join(PENALTY_GATES)}, "
+                             f"got {self.rl_penalty_gate!r}")
         if self.sandbox not in ("auto", "bwrap", "local"):
             raise ValueError(f"--sandbox must be auto, bwrap or local, got {self.sandbox!r}")
         if not 0.0 <= self.teacher_error < 1.0:
@@ -708,7 +716,8 @@ def rl_config(cfg: DemoConfig, out: Path, model_cfg, init_from: str):
         name="rl", seed=cfg.seed, output_dir=str(out), resume=False, model=model_cfg,
         rl=RLConfig(learning_rate=cfg.rl_lr, warmup_steps=cfg.rl_warmup,
                     loss=RLLossConfig(constant_normalizer=float(cfg.max_new_tokens * 2)),
-                    reward=RewardConfig(length_penalty=LengthPenaltyConfig(scale=cfg.rl_length_penalty))),
+                    reward=RewardConfig(length_penalty=LengthPenaltyConfig(
+                        scale=cfg.rl_length_penalty, gate=cfg.rl_penalty_gate, anneal_steps=cfg.rl_penalty_anneal))),
         engine=engine_config(cfg),
         env=EnvConfig(kind="ladder", rungs=cfg.rung_list, per_rung=cfg.rl_tasks, eval_prompts=cfg.eval_tasks,
                       sandbox=cfg.sandbox_kind(), prompt_level="terse", temperature=cfg.temperature,

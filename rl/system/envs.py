@@ -432,15 +432,16 @@ def episode_effort(traj) -> dict[str, float]:
             "turns": float(traj.num_turns)}
 
 
-def shaped_reward(correctness: float, traj, reward_cfg) -> float:
-    """RLConfig.reward applied to an agentic episode: w_c * correctness - length penalty + auxiliary terms
-    (rl/rewards.compute_reward); the verdict itself when nothing shapes it (the default)."""
+def shaped_reward(correctness: float, traj, reward_cfg) -> tuple[float, float]:
+    """RLConfig.reward applied to an agentic episode: (w_c * correctness - length penalty + auxiliary terms, the
+    length penalty subtracted) (rl/rewards.compute_reward); (the verdict, 0) when nothing shapes it (the default)."""
     from c2jax.rl.rewards import compute_reward
 
     if reward_cfg is None or (reward_cfg.length_penalty.scale == 0 and not reward_cfg.auxiliary
                               and reward_cfg.correctness_weight == 1.0):
-        return correctness
-    return float(compute_reward({"correctness": correctness, **episode_effort(traj)}, reward_cfg)[0])
+        return correctness, 0.0
+    reward, parts = compute_reward({"correctness": correctness, **episode_effort(traj)}, reward_cfg)
+    return float(reward), float(parts["length_penalty"])
 
 
 def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: str, cfg: EnvConfig,
@@ -479,6 +480,7 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
         seqs = [sequence(s.token_ids, s.loss_mask, s.logprobs, s.policy_versions, s.replay_ids if replay else None)
                 for s in traj.segments if s.token_ids]
         verdict = float(traj.reward)
-        return Rollout(seqs, shaped_reward(verdict, traj, reward_cfg), traj.finish_reason, None, traj.num_turns,
-                       traj.num_model_tokens, attempt, correctness=verdict)
+        reward, penalty = shaped_reward(verdict, traj, reward_cfg)
+        return Rollout(seqs, reward, traj.finish_reason, None, traj.num_turns, traj.num_model_tokens, attempt,
+                       correctness=verdict, length_penalty=penalty)
     return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1)

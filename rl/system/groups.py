@@ -15,7 +15,7 @@ import numpy as np
 
 from c2jax.rl.advantages import group_advantages
 from c2jax.rl.batch import RLBatch, pack
-from c2jax.rl.config import AdvantageConfig
+from c2jax.rl.config import AdvantageConfig, LengthPenaltyConfig
 from c2jax.rl.harness.replay import learner_replay_ids
 from c2jax.rl.harness.trajectory import decode_array, encode_array
 
@@ -32,6 +32,9 @@ class Rollout:
     # the task's verdict before reward shaping (RLConfig.reward: length penalty, auxiliary terms), for agentic
     # episodes; None where the reward is the verdict (target and text tasks). Online evals count successes on it
     correctness: float | None = None
+    # the length penalty already subtracted from `reward` (RLConfig.reward.length_penalty), so a group-level gate
+    # can give it back (Group.gate_length_penalty)
+    length_penalty: float = 0.0
 
     @property
     def errored(self) -> bool:
@@ -87,6 +90,20 @@ class Group:
     def zero_variance(self) -> bool:
         rw = self.rewards
         return bool(rw.max() - rw.min() <= 1e-6)
+
+    def gate_length_penalty(self, cfg: LengthPenaltyConfig) -> Group:
+        """The group-level part of the length penalty's schedule, applied once when the group is graded: the
+        penalty is scaled by min(1, v / anneal_steps) at the sampling policy's version v, and is 0 for a group
+        whose verdicts are all equal under the `mixed_groups` gate. Rewards change in place (kept in
+        groups.jsonl as trained); the per-episode `resolved` gate was applied when the episode was scored."""
+        factor = 1.0 if cfg.anneal_steps == 0 else min(1.0, max(0, self.min_version) / cfg.anneal_steps)
+        if cfg.gate == "mixed_groups" and len({r.verdict for r in self.rollouts}) <= 1:
+            factor = 0.0
+        if factor != 1.0:
+            for r in self.rollouts:
+                r.reward += (1.0 - factor) * r.length_penalty
+                r.length_penalty *= factor
+        return self
 
     def with_advantages(self, cfg: AdvantageConfig) -> Group:
         self.advantages = [float(a) for a in np.asarray(group_advantages(self.rewards[None], cfg))[0]]

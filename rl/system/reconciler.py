@@ -260,6 +260,7 @@ class Reconciler:
                 self.failed_in_row = 0
             return
         self.failed_in_row = 0
+        group.gate_length_penalty(self.cfg.rl.reward.length_penalty)
         self.curriculum.observe(group.prompt_id, np.mean([r.turns for r in group.rollouts]),
                                 np.mean([r.model_tokens for r in group.rollouts]))
         if self.cfg.curriculum.skip_zero_variance and group.zero_variance:
