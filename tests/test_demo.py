@@ -1,6 +1,7 @@
 """`make demo` end to end in --quick mode: every stage runs (info, pretraining, CPT + SFT on oracle
 transcripts, async RL on Ray, eval before/after, HF round trip, report) and writes what it promises."""
 
+import dataclasses
 import json
 import math
 import os
@@ -97,6 +98,45 @@ def test_demo_quick_end_to_end(tmp_path):
     after = json.loads((out / "eval" / "after" / "summary.json").read_text())["summary"]["accuracy"]
     assert cli_acc["avg@1"]["mean"] == after["avg@1"]["mean"]
     assert cli_acc["best_of_2"]["mean"] == after["best_of_2"]["mean"]
+
+    # an RL variant from the same SFT start (--sft-from): only RL and what follows run; the before-RL eval is the
+    # source run's
+    variant = tmp_path / "variant"
+    proc = subprocess.run([sys.executable, "-m", "experiments.demo", "--quick", "--out", str(variant), "--sft-from",
+                           str(out), "--rl-penalty-gate", "resolved"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    again = json.loads((variant / "results.json").read_text())
+    assert again["sft_from"] == str(out) and again["eval_before"] == results["eval_before"]
+    assert "2c continued pretraining + SFT" not in again["timings"] and "3 asynchronous RL" in again["timings"]
+    assert again["meta"]["config"]["rl_penalty_gate"] == "resolved"
+    assert (variant / "eval" / "before" / "summary.json").read_text() == \
+        (out / "eval" / "before" / "summary.json").read_text()
+    assert "--sft-from" in (variant / "REPORT.md").read_text()
+
+
+def test_sft_from_refuses_a_run_made_with_other_sft_settings(tmp_path):
+    from experiments.demo.pipeline import DemoConfig, reused_sft_start
+
+    src = tmp_path / "src"
+    with pytest.raises(ValueError, match="own --out"):
+        DemoConfig(sft_from=str(src), out=str(src))
+    with pytest.raises(FileNotFoundError, match="no results.json"):
+        reused_sft_start(DemoConfig(sft_from=str(src)), tmp_path / "out")
+    (src / "eval" / "before").mkdir(parents=True)
+    (src / "eval" / "before" / "summary.json").write_text("{}")
+    made = dataclasses.asdict(DemoConfig(teacher_error=0.5, rl_steps=5))
+    (src / "results.json").write_text(json.dumps({"meta": {"config": made}, "data": {}, "cpt": {}}))
+    with pytest.raises(ValueError, match="stopped before its before-RL eval"):
+        reused_sft_start(DemoConfig(sft_from=str(src), teacher_error=0.5), tmp_path / "out")
+    (src / "results.json").write_text(json.dumps({"meta": {"config": made}, "data": {}, "cpt": {},
+                                                  "eval_before": {"avg@1": 0.1}}))
+    # RL settings may differ; an SFT setting may not
+    with pytest.raises(ValueError, match=r"teacher_error=0\.5 \(here 0\.4\)"):
+        reused_sft_start(DemoConfig(sft_from=str(src)), tmp_path / "out")
+    got = reused_sft_start(DemoConfig(sft_from=str(src), teacher_error=0.5, rl_steps=9, rl_penalty_gate="resolved"),
+                           tmp_path / "out")
+    assert got["eval_before"] == {"avg@1": 0.1} and (tmp_path / "out" / "eval" / "before" / "summary.json").is_file()
 
 
 @pytest.mark.parametrize("rung", ["lookup", "micro_bug"])

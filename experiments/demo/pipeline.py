@@ -26,6 +26,9 @@ from typing import Any
 OUTPUTS = ("info.txt", "tokenizer", "data", "base", "cpt", "rl", "eval", "hf", "plots", "REPORT.md",
            "demo.json", "results.json")
 UNTIL = ("sft", "eval", "all")  # DemoConfig.until: the stages that end a run early
+# DemoConfig fields that act only from the RL stage on: a run with --sft-from may differ from its source in these
+RL_SETTINGS = ("out", "until", "sft_from", "rl_steps", "rl_tasks", "group_size", "groups_per_step", "rollout_workers",
+               "max_staleness", "rl_lr", "rl_warmup", "rl_length_penalty", "rl_penalty_gate", "rl_penalty_anneal")
 BYTE_VOCAB = 264  # c2jax.rl.system.envs.byte_tokenizer: 256 byte tokens + 8 chat special tokens
 # The demo's system prompt: short instructions and one line per tool (`tool_schemas="signatures"`), ~0.6k bytes
 # (~0.2k BPE tokens) instead of ~4.9k with the full JSON schemas, so SFT, RL and eval fit a short context on CPU.
@@ -120,6 +123,10 @@ class DemoConfig:
     # the last stage to run: `sft` (transcripts, base, CPT + SFT with the copy probe), `eval` (+ eval before RL),
     # `all` (+ RL, eval after RL, HF export, report). Seed studies of the SFT start stop early (experiments/seeds)
     until: str = "all"
+    # a finished run's directory (--until eval or all) whose transcripts, base, CPT + SFT model and before-RL eval
+    # this run reuses, running only RL and what follows: RL variants from one SFT start (experiments/weak_start).
+    # Every setting but the RL ones (RL_SETTINGS) must equal that run's
+    sft_from: str = ""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -135,6 +142,8 @@ class DemoConfig:
                              f"{self.rungs!r}")
         if self.until not in UNTIL:
             raise ValueError(f"--until must be one of {', '.join(UNTIL)}, got {self.until!r}")
+        if self.sft_from and Path(self.sft_from).resolve() == Path(self.out).resolve():
+            raise ValueError(f"--sft-from {self.sft_from} is this run's own --out, which the run clears first")
         from c2jax.rl.config import PENALTY_GATES
 
         if self.rl_penalty_gate not in PENALTY_GATES:
@@ -881,16 +890,23 @@ def main(argv=None) -> dict:
     (out / "demo.json").write_text(json.dumps(meta, indent=1))
     timer = Timer()
     results: dict[str, Any] = {"meta": meta}
-    results["info"] = timer.run("1 info", stage_info, cfg, out)
-    data = results["data"] = timer.run("2a tool-use transcripts", stage_data, cfg, out)
-    base = results["base"] = timer.run("2b base pretraining", stage_base, cfg, out, data)
-    cpt = results["cpt"] = timer.run("2c continued pretraining + SFT", stage_cpt, cfg, out, data, base)
-    sft_model = load_hf_model(cpt["hf"])
-    if cfg.until == "sft":
-        return finish_early(cfg, out, results, timer)
-    results["eval_before"] = timer.run("4a eval before RL", stage_eval, cfg, out, sft_model, "before", 0)
-    if cfg.until == "eval":
-        return finish_early(cfg, out, results, timer)
+    if cfg.sft_from:
+        if cfg.until != "all":
+            raise ValueError("--sft-from reuses a run up to its before-RL eval; it needs --until all")
+        results.update(reused_sft_start(cfg, out))
+        data, cpt = results["data"], results["cpt"]
+        sft_model = load_hf_model(cpt["hf"])
+    else:
+        results["info"] = timer.run("1 info", stage_info, cfg, out)
+        data = results["data"] = timer.run("2a tool-use transcripts", stage_data, cfg, out)
+        base = results["base"] = timer.run("2b base pretraining", stage_base, cfg, out, data)
+        cpt = results["cpt"] = timer.run("2c continued pretraining + SFT", stage_cpt, cfg, out, data, base)
+        if cfg.until == "sft":
+            return finish_early(cfg, out, results, timer)
+        sft_model = load_hf_model(cpt["hf"])
+        results["eval_before"] = timer.run("4a eval before RL", stage_eval, cfg, out, sft_model, "before", 0)
+        if cfg.until == "eval":
+            return finish_early(cfg, out, results, timer)
     rl = timer.run("3 asynchronous RL", stage_rl, cfg, out, cpt["hf"], sft_model.cfg)
     final, version = final_rl_model(rl["config"])
     results["rl"] = {k: v for k, v in rl.items() if k != "config"}
@@ -922,6 +938,26 @@ def main(argv=None) -> dict:
     if not results["hf"]["ok"]:
         raise SystemExit(f"HF parity failed: relative error {results['hf']['rel_l2']:.2e} > 1e-4")
     return results
+
+
+def reused_sft_start(cfg: DemoConfig, out: Path) -> dict:
+    """--sft-from: the source run's results up to its before-RL eval (info, data, base, cpt, eval_before), its
+    eval/before copied into this run; refused if the source did not get that far or differs in a non-RL setting."""
+    src = Path(cfg.sft_from)
+    path = src / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--sft-from {src}: no results.json there (run the demo with --until eval first)")
+    prev = json.loads(path.read_text())
+    if "eval_before" not in prev or not (src / "eval" / "before" / "summary.json").is_file():
+        raise ValueError(f"--sft-from {src}: that run stopped before its before-RL eval (--until sft)")
+    mine, theirs = dataclasses.asdict(cfg), prev["meta"]["config"]
+    differ = sorted(k for k in mine if k not in RL_SETTINGS and theirs.get(k, mine[k]) != mine[k])
+    if differ:
+        raise ValueError(f"--sft-from {src}: its SFT start was made with other settings: "
+                         + ", ".join(f"{k}={theirs[k]!r} (here {mine[k]!r})" for k in differ))
+    shutil.copytree(src / "eval" / "before", out / "eval" / "before")
+    print(f"== reusing {src}'s transcripts, base, CPT + SFT model and before-RL eval (--sft-from)", flush=True)
+    return {"sft_from": str(src), **{k: prev[k] for k in ("info", "data", "base", "cpt", "eval_before") if k in prev}}
 
 
 def finish_early(cfg: DemoConfig, out: Path, results: dict, timer: Timer) -> dict:

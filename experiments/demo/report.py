@@ -162,6 +162,9 @@ def write_report(cfg, out: Path, results: dict) -> dict:
              f"{meta['machine']['load_avg_1_5_15']} at the start (shared with other jobs), JAX "
              f"{meta['machine']['jax']} on {meta['machine']['backend']}. "
              f"Sandbox: `{cfg.sandbox_kind()}`{_sandbox_note(cfg)}.\n")
+    if results.get("sft_from"):
+        L.append(f"The transcripts, base, CPT + SFT model and before-RL eval are reused from `{results['sft_from']}` "
+                 "(`--sft-from`; its stage times are not in the table below).\n")
     L.append(f"**Total wall time: {results['total_s']:.0f} s ({results['total_s'] / 60:.1f} min).**\n")
     L.append("| stage | wall s |\n|---|---|")
     for name, s in results["timings"].items():
