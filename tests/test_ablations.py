@@ -216,7 +216,7 @@ def test_rl_lifts_best_of_k_intervals_and_paired_difference_from_step0():
     per1 = {f"p{i}": {"avg@1": 0.75, "best_of_4": 1.0 if i < 6 else 0.0} for i in range(8)}
     rows = mod.with_intervals([{"step": 0, "avg@1": 0.25, "best_of_4": 0.0, "per_prompt": per0},
                                {"step": 6, "avg@1": 0.75, "best_of_4": 0.75, "per_prompt": per1}], 4, seed=0)
-    assert "per_prompt" not in rows[0] and "vs_step0" not in rows[0]
+    assert rows[0]["per_prompt"] == per0 and "vs_step0" not in rows[0]  # kept for two-level seed intervals
     assert rows[0]["avg@1/ci"] == [0.25, 0.25] and rows[1]["avg@1/ci"] == [0.75, 0.75]
     lo, hi = rows[1]["best_of_4/ci"]
     assert 0.25 <= lo < 0.75 < hi <= 1.0

@@ -110,3 +110,39 @@ def test_build_command_for_the_demo_and_an_ablation(tmp_path):
         build_command(["ablation99"], 0, run)
     with pytest.raises(ValueError, match="must take the seed"):
         build_command(["--", "python", "x.py"], 0, run)
+
+
+def test_ablation01_rank_correlation_and_slope_within_a_seed_and_pooled_over_seeds(tmp_path):
+    """Ablation 01's figure over seeds: per seed, Spearman and the least-squares slope of RL reward on post-SFT
+    loss across the CPT budgets (NumPy polyfit / the rank formula as references); pooled over seeds x budgets
+    with intervals from resampling whole seeds."""
+    from experiments.seeds.figures import ablation01_figures, ablation01_pooled, spearman
+
+    def write(seed, losses, rewards):
+        d = tmp_path / f"seed-{seed}"
+        d.mkdir()
+        runs = [{"budget": b, "cpt_eval_loss": 3.0 - i * 0.1, "sft_eval_loss": x, "rl_final_train_reward": y,
+                 "eval_reward_after_rl": y + 0.01, "eval_reward_before_rl": y / 2}
+                for i, (b, x, y) in enumerate(zip((25, 100, 400), losses, rewards))]
+        (d / "results.json").write_text(json.dumps({"runs": runs}))
+        return d
+
+    d0 = write(0, [2.2, 2.1, 1.9], [0.05, 0.09, 0.12])  # lower loss, higher reward: rho -1
+    d1 = write(1, [2.3, 2.05, 2.12], [0.04, 0.10, 0.06])  # ranks agree with -1 again
+    d2 = write(2, [2.25, 2.15, 2.01], [0.08, 0.07, 0.11])  # 2.25 -> 0.08, 2.15 -> 0.07: rho -0.5
+    f0 = ablation01_figures(d0).scalars
+    assert f0["spearman/sft_loss_vs_rl_final_train_reward"] == pytest.approx(-1.0)
+    assert f0["slope/rl_final_train_reward_per_nat_sft_loss"] == pytest.approx(
+        np.polyfit([2.2, 2.1, 1.9], [0.05, 0.09, 0.12], 1)[0])
+    assert f0["budget_400/sft_eval_loss"] == 1.9
+    assert ablation01_figures(d2).scalars["spearman/sft_loss_vs_rl_final_train_reward"] == pytest.approx(-0.5)
+    assert spearman([1, 2], [2, 1]) != spearman([1, 2], [2, 1])  # nan below 3 points
+    pooled = ablation01_pooled({0: d0, 1: d1, 2: d2}, n_boot=500)
+    row = pooled["rl_final_train_reward"]
+    xs = [2.2, 2.1, 1.9, 2.3, 2.05, 2.12, 2.25, 2.15, 2.01]
+    ys = [0.05, 0.09, 0.12, 0.04, 0.10, 0.06, 0.08, 0.07, 0.11]
+    assert pooled["points"] == 9 and row["slope"] == pytest.approx(np.polyfit(xs, ys, 1)[0])
+    d = np.argsort(np.argsort(xs)) - np.argsort(np.argsort(ys))  # no ties: rho = 1 - 6 sum d^2 / (n (n^2 - 1))
+    assert row["spearman"] == pytest.approx(1 - 6 * np.sum(d ** 2) / (9 * 80))
+    assert row["spearman_ci"][0] <= row["spearman"] <= row["spearman_ci"][1]
+    assert row["slope_ci"][0] <= row["slope"] <= row["slope_ci"][1] < 0

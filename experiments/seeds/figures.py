@@ -94,6 +94,67 @@ def ablation02_figures(run: Path) -> SeedFigures:
     return SeedFigures(scalars, per_task, within)
 
 
+def spearman(x, y) -> float:
+    """Spearman's rank correlation (scipy; tied values get their average rank); nan below 3 points or when either
+    side is constant."""
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(spearmanr(x, y).statistic)
+
+
+def slope(x, y) -> float:
+    """Least-squares slope of y on x (RL reward per nat of post-SFT loss)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    return float(np.polyfit(x, y, 1)[0]) if len(x) >= 2 and np.ptp(x) > 0 else float("nan")
+
+
+AB01_Y = ("rl_final_train_reward", "eval_reward_after_rl")  # the RL reward the report's Fig. 2 left plots
+
+
+def ablation01_figures(run: Path) -> SeedFigures:
+    """Ablation 01: per CPT budget its losses and RL rewards, and within the seed Spearman and slope of each RL
+    reward on the post-SFT loss across budgets (the report: lower post-SFT loss, higher RL reward)."""
+    res = _read(run / "results.json")
+    scalars: dict[str, float] = {}
+    for r in res["runs"]:
+        for key in ("cpt_eval_loss", "sft_eval_loss", *AB01_Y, "eval_reward_before_rl"):
+            scalars[f"budget_{r['budget']}/{key}"] = float(r[key])
+    x = [r["sft_eval_loss"] for r in res["runs"]]
+    for key in AB01_Y:
+        y = [r[key] for r in res["runs"]]
+        scalars[f"spearman/sft_loss_vs_{key}"] = spearman(x, y)
+        scalars[f"slope/{key}_per_nat_sft_loss"] = slope(x, y)
+    return SeedFigures(scalars)
+
+
+def ablation01_pooled(runs: dict[int, Path], *, n_boot: int = 4000, seed: int = 0) -> dict[str, Any]:
+    """Every (seed, budget) point of ablation 01 pooled: Spearman and slope of each RL reward on the post-SFT
+    loss, with 95% intervals from resampling seeds (each drawn seed brings all its budgets)."""
+    points = {s: [(r["sft_eval_loss"], {k: r[k] for k in AB01_Y}) for r in _read(d / "results.json")["runs"]]
+              for s, d in sorted(runs.items())}
+    seeds = list(points)
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {"seeds": seeds, "points": sum(len(v) for v in points.values())}
+    for key in AB01_Y:
+        def stats(chosen, key=key):
+            pts = [p for s in chosen for p in points[s]]
+            xs, ys = [p[0] for p in pts], [p[1][key] for p in pts]
+            return spearman(xs, ys), slope(xs, ys)
+
+        rho, b = stats(seeds)
+        boot = np.array([stats(rng.choice(seeds, len(seeds))) for _ in range(n_boot if len(seeds) > 1 else 0)])
+        row = {"spearman": rho, "slope": b}
+        if len(boot):
+            for i, name in enumerate(("spearman", "slope")):
+                v = boot[:, i][~np.isnan(boot[:, i])]
+                row[f"{name}_ci"] = [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] if len(v) else None
+        out[key] = row
+    return out
+
+
 def json_figures(run: Path) -> SeedFigures:
     """Any run that writes results.json: its numeric leaves outside lists, as dotted names."""
     res = _read(run / "results.json")
@@ -111,7 +172,9 @@ def json_figures(run: Path) -> SeedFigures:
 
 
 EXTRACTORS: dict[str, Callable[[Path], SeedFigures]] = {
-    "demo": demo_figures, "ablation02": ablation02_figures, "json": json_figures}
+    "demo": demo_figures, "ablation01": ablation01_figures, "ablation02": ablation02_figures, "json": json_figures}
+# figures that need every seed at once (seed dir by seed -> a dict for seeds.json's "pooled")
+POOLED: dict[str, Callable[[dict[int, Path]], dict]] = {"ablation01": ablation01_pooled}
 
 
 def summarize(figures: dict[int, SeedFigures], *, n_boot: int = 4000, seed: int = 0) -> dict[str, dict]:

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from experiments.seeds.figures import EXTRACTORS, summarize
+from experiments.seeds.figures import EXTRACTORS, POOLED, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 ABLATIONS = ROOT / "experiments" / "ablations"
@@ -92,7 +92,7 @@ def build_command(target: list[str], seed: int, run_dir: Path) -> tuple[list[str
             raise ValueError(f"{head}: --out is set by the seed runner (use its --out)")
         argv = [sys.executable, "-m", f"experiments.ablations.{folder.name}.run", "--config",
                 str(seed_config(config, seed, run_dir)), "--out", str(run_dir), *rest]
-        return argv, "ablation02" if folder.name.startswith("02_") else "json"
+        return argv, {"01": "ablation01", "02": "ablation02"}.get(folder.name[:2], "json")
     if "{seed}" not in " ".join(target):
         raise ValueError("a custom command must take the seed: put {seed} (and {out}) in its arguments")
     return [a.replace("{seed}", str(seed)).replace("{out}", str(run_dir)) for a in target], "json"
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     machine = describe()
     plans = {s: build_command(args.target, s, out / f"seed-{s}") for s in seeds}
-    extractor = EXTRACTORS[args.figures or plans[seeds[0]][1]]
+    kind = args.figures or plans[seeds[0]][1]
+    extractor = EXTRACTORS[kind]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each seed starts its own Ray system
     records: dict[int, dict] = {}
     todo = []
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
         per_seed[s] = row
     summary = summarize(figures) if figures else {}
     result = {"command": args.target, "seeds": seeds, "per_seed": list(per_seed.values()), "summary": summary}
+    if kind in POOLED and figures:
+        result["pooled"] = POOLED[kind]({s: out / f"seed-{s}" for s in figures})
     write_json(out / "seeds.json", result, machine=finish(machine))
     text = seeds_markdown(result, machine, render_table)
     write_text(out / "SEEDS.md", text)
@@ -232,8 +235,15 @@ def seeds_markdown(result: dict, machine: dict, render_table) -> str:
     status = [{"seed": r["seed"], "status": r["status"], "wall_s": r["wall_s"] or 0.0,
                "load at start": "/".join(f"{x:.2f}" for x in r["load_start"]) if r.get("load_start") else ""}
               for r in result["per_seed"]]
+    pooled = ""
+    if result.get("pooled"):
+        prow = [{"RL reward vs post-SFT loss (all seeds x budgets)": k, "Spearman": v["spearman"],
+                 "95% CI (seeds resampled)": _fmt_ci(v.get("spearman_ci")), "slope (reward / nat)": v["slope"],
+                 "slope 95% CI": _fmt_ci(v.get("slope_ci"))}
+                for k, v in result["pooled"].items() if isinstance(v, dict)]
+        pooled = "\n\n" + render_table(prow)
     return (f"# `{' '.join(result['command'])}` over seeds {seeds}\n\nMachine: {summary_line(machine)}\n\n"
-            + (render_table(rows) if rows else "(no finished seed)") + "\n\n" + render_table(status) + "\n")
+            + (render_table(rows) if rows else "(no finished seed)") + pooled + "\n\n" + render_table(status) + "\n")
 
 
 __all__ = ["build_command", "main", "parse_seeds", "run_one", "seeds_markdown"]

@@ -90,7 +90,8 @@ def with_intervals(evals: list[dict], k: int, seed: int) -> list[dict]:
     rows = []
     for row in evals:
         per = row.get("per_prompt")
-        out = {key: v for key, v in row.items() if key != "per_prompt"}
+        # per_prompt stays (64 prompts x a few metrics): seed studies bootstrap over seeds and prompts from it
+        out = dict(row)
         if per:
             for key in keys:
                 lo, hi = bootstrap_ci([m[key] for m in per.values()], seed=seed)
