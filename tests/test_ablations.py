@@ -223,3 +223,25 @@ def test_rl_lifts_best_of_k_intervals_and_paired_difference_from_step0():
     d = rows[1]["vs_step0"]
     assert d["avg@1"]["diff"] == pytest.approx(0.5) and d["avg@1"]["ci_low"] == pytest.approx(0.5)
     assert d["best_of_4"]["diff"] == pytest.approx(0.75) and d["best_of_4"]["ci_low"] > 0.25
+
+
+def test_weak_start_study_runs_every_variant_from_the_same_sft_start(tmp_path):
+    """Ablation 12's plan: one SFT-start study (--until eval with the `sft` flags), then per variant an RL run
+    from each seed's own SFT start (--sft-from) with the same SFT flags (else --sft-from refuses) and its own."""
+    mod = _load_script("12_rl_from_weak_start")
+    raw = {"seeds": [0, 3], "sft": {"teacher_error": 0.5}, "rl": {"rl_steps": 40},
+           "variants": {"always": {"rl_penalty_gate": "always"}, "none": {"rl_length_penalty": 0.0}}}
+    steps = mod.plan(raw, tmp_path, quick=False)
+    assert [Path(s).name for s, _ in steps] == ["sft", "rl-always", "rl-none"]
+    sft = steps[0][1]
+    assert sft[:4] == ["--seeds", "0,3", "--out", str(tmp_path / "sft")]
+    assert sft[4:] == ["demo", "--until", "eval", "--teacher-error", "0.5"]
+    rl = steps[2][1]
+    cmd = rl[rl.index("--") + 1:]
+    assert cmd[cmd.index("--sft-from") + 1] == str(tmp_path / "sft" / "seed-{seed}")
+    assert cmd[-6:] == ["--teacher-error", "0.5", "--rl-steps", "40", "--rl-length-penalty", "0.0"]
+    assert rl[rl.index("--figures") + 1] == "demo"
+    with pytest.raises(ValueError, match="not a demo setting"):
+        mod.demo_flags({"sft_from": "x"})
+    with pytest.raises(ValueError, match="not a demo setting"):
+        mod.demo_flags({"teacher_eror": 0.5})

@@ -125,6 +125,7 @@ def test_sft_from_refuses_a_run_made_with_other_sft_settings(tmp_path):
         reused_sft_start(DemoConfig(sft_from=str(src)), tmp_path / "out")
     (src / "eval" / "before").mkdir(parents=True)
     (src / "eval" / "before" / "summary.json").write_text("{}")
+    (src / "tokenizer").mkdir()
     made = dataclasses.asdict(DemoConfig(teacher_error=0.5, rl_steps=5))
     (src / "results.json").write_text(json.dumps({"meta": {"config": made}, "data": {}, "cpt": {}}))
     with pytest.raises(ValueError, match="stopped before its before-RL eval"):

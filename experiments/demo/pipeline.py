@@ -942,7 +942,7 @@ def main(argv=None) -> dict:
 
 def reused_sft_start(cfg: DemoConfig, out: Path) -> dict:
     """--sft-from: the source run's results up to its before-RL eval (info, data, base, cpt, eval_before), its
-    eval/before copied into this run; refused if the source did not get that far or differs in a non-RL setting."""
+    eval/before and tokenizer/ copied into this run; refused if the source did not get that far or differs in a non-RL setting."""
     src = Path(cfg.sft_from)
     path = src / "results.json"
     if not path.is_file():
@@ -956,6 +956,7 @@ def reused_sft_start(cfg: DemoConfig, out: Path) -> dict:
         raise ValueError(f"--sft-from {src}: its SFT start was made with other settings: "
                          + ", ".join(f"{k}={theirs[k]!r} (here {mine[k]!r})" for k in differ))
     shutil.copytree(src / "eval" / "before", out / "eval" / "before")
+    shutil.copytree(src / "tokenizer", out / "tokenizer")  # RL and the after-RL eval render with it
     print(f"== reusing {src}'s transcripts, base, CPT + SFT model and before-RL eval (--sft-from)", flush=True)
     return {"sft_from": str(src), **{k: prev[k] for k in ("info", "data", "base", "cpt", "eval_before") if k in prev}}
 

@@ -67,8 +67,9 @@ def summarise(raw: dict, out: Path) -> dict:
         f = row.get("figures") or {}
         a1, p4 = f.get("before/avg@1"), f.get("before/pass@4")
         per_seed_start[row["seed"]] = {"avg@1": a1, "pass@4": p4, "best_of_2": f.get("before/best_of_2"),
-                                       "weak": None if a1 is None else bool(a1 <= crit.get("max_avg1", 0.1)
-                                                                             and p4 >= crit.get("min_pass4", 0.2))}
+                                       # None where the eval had fewer than 4 samples per task (--quick)
+                                       "weak": None if a1 is None or p4 is None else
+                                       bool(a1 <= crit.get("max_avg1", 0.1) and p4 >= crit.get("min_pass4", 0.2))}
     variants = {}
     for name in raw["variants"]:
         path = out / f"rl-{name}" / "seeds.json"
