@@ -941,8 +941,9 @@ def main(argv=None) -> dict:
 
 
 def reused_sft_start(cfg: DemoConfig, out: Path) -> dict:
-    """--sft-from: the source run's results up to its before-RL eval (info, data, base, cpt, eval_before), its
-    eval/before and tokenizer/ copied into this run; refused if the source did not get that far or differs in a non-RL setting."""
+    """--sft-from: the source run's results up to its before-RL eval (info, data, base, cpt, eval_before), with
+    its eval/before and tokenizer/ copied into this run; refused if the source did not get that far or differs
+    in a non-RL setting."""
     src = Path(cfg.sft_from)
     path = src / "results.json"
     if not path.is_file():
