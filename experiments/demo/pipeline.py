@@ -61,15 +61,18 @@ class DemoConfig:
     base_seq: int = 256
     base_batch: int = 8
     base_lr: float = 3e-3
-    # continued pretraining: code at short context, code at long context (YaRN), SFT on tool-use transcripts
-    code_steps: int = 20
+    # continued pretraining: code at short context, code at long context (YaRN), SFT on tool-use transcripts.
+    # Both rungs are solved by copying a word from the context, and the copy must form during SFT before its
+    # budget ends (docs/demo_regime.md). Code is copy-rich (identifiers recur), and a CPT budget of 1500 code steps
+    # plus SFT batches of 32 made it form in seeds whose copy never formed at the earlier 20 steps and batch 16
+    code_steps: int = 1500
     code_seq: int = 256
     code_batch: int = 8
     long_steps: int = 2
     long_seq: int = 1024
     long_batch: int = 2
-    sft_steps: int = 900
-    sft_batch: int = 16
+    sft_steps: int = 800
+    sft_batch: int = 32
     cpt_lr: float = 3e-3
     sft_tasks: int = 500  # TRAIN ladder tasks per rung the scripted oracle solves for SFT transcripts
     sft_transcripts_per_task: int = 1  # episodes of the teacher on each task (its error drawn per episode)
