@@ -239,6 +239,9 @@ def test_async_run_bounds_staleness_syncs_weights_and_evaluates(async_run):
     assert out["steps"] == 6 and out["version"] == 6
     for row in out["history"]:  # every trained token's version >= learner version - max_staleness
         assert row["staleness/max"] <= 1 and row["staleness/batch_max"] <= 1
+        # unshaped rewards: the verdict is the reward, no penalty was paid
+        assert row["reward/verdict_mean"] == pytest.approx(row["reward/mean"], abs=1e-6)
+        assert row["reward/length_penalty_mean"] == 0.0 and 0.0 <= row["reward/groups_mixed"] <= 1.0
     c = out["counts"]
     assert c.get("groups_dropped_stale", 0) == out["staleness"]["dropped"]
     made, settled = _accounted(out)

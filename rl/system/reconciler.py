@@ -227,6 +227,11 @@ class Reconciler:
         metrics_ref = self.learner.train(batch)
         info = {"groups": [g.group_id for g in groups], "t0": time.perf_counter(),
                 "reward": float(np.mean([g.rewards.mean() for g in groups])),
+                # the tests' verdict and the length penalty paid, apart: at a low solve rate the penalty can be
+                # most of the reward's spread (issue 38), which reward/mean alone hides
+                "verdict": float(np.mean([r.verdict for g in groups for r in g.rollouts])),
+                "length_penalty": float(np.mean([r.length_penalty for g in groups for r in g.rollouts])),
+                "groups_mixed": float(np.mean([len({r.verdict for r in g.rollouts}) > 1 for g in groups])),
                 "tokens": int(mask.sum()), "samples": sum(len(g.rollouts) for g in groups),
                 "min_token_version": min_v, "staleness_max": self.version - min_v,
                 "staleness_mean": float(self.version - versions.mean()) if versions.size else 0.0}
@@ -397,7 +402,9 @@ class Reconciler:
         steps = self.version - self.start_version
         self.counts["tokens_trained"] += info["tokens"]
         self.counts["samples_trained"] += info["samples"]
-        row = {**metrics, "reward/mean": info["reward"], "staleness/batch_max": info["staleness_max"],
+        row = {**metrics, "reward/mean": info["reward"], "reward/verdict_mean": info["verdict"],
+               "reward/length_penalty_mean": info["length_penalty"], "reward/groups_mixed": info["groups_mixed"],
+               "staleness/batch_max": info["staleness_max"],
                "staleness/batch_mean": info["staleness_mean"], "queue/ready": len(self.ready),
                "queue/inflight": len(self.inflight), "queue/retry": len(self.retry),
                "throughput/tokens_per_s": self.counts["tokens_trained"] / wall,
