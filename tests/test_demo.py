@@ -314,3 +314,12 @@ def test_copy_formation_step_is_the_first_probe_below_the_threshold():
              {"sft_step": 75, "copy_answer": 0.9}, {"sft_step": 100, "copy_answer": 1.2}]
     assert formation_step(curve) == 75
     assert formation_step(curve, threshold=0.5) is None
+
+
+def test_demo_records_the_cpu_it_ran_on():
+    """demo.json / REPORT.md name the CPU (family, model, ISA, cores): results differ between machines."""
+    from c2jax.machine import describe
+    from experiments.demo.pipeline import machine_info
+
+    m, d = machine_info(), describe()
+    assert m["cpu"].startswith(d["cpu_model"]) and f"{d['logical_cores']} cores" in m["cpu"] and "load" not in m["cpu"]

@@ -219,9 +219,14 @@ def git_info() -> dict[str, Any]:
 def machine_info() -> dict[str, Any]:
     import jax
 
+    from c2jax.machine import describe, summary_line
+
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"cpus": os.cpu_count(), "load_avg_1_5_15": [round(x, 2) for x in load], "python": sys.version.split()[0],
-            "jax": jax.__version__, "backend": jax.default_backend(), "platform": sys.platform}
+    # the CPU's family / model / ISA: floating-point results differ between machines (docs/demo_regime.md)
+    cpu = summary_line(describe()).split(", load ")[0]  # the load is its own field
+    return {"cpu": cpu, "cpus": os.cpu_count(), "load_avg_1_5_15": [round(x, 2) for x in load],
+            "python": sys.version.split()[0], "jax": jax.__version__, "backend": jax.default_backend(),
+            "platform": sys.platform}
 
 
 def model_config(cfg: DemoConfig, vocab_size: int = BYTE_VOCAB):

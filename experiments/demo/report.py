@@ -156,9 +156,10 @@ def write_report(cfg, out: Path, results: dict) -> dict:
     before, after = results["eval_before"], results["eval_after"]
     L = []
     L.append("# c2jax end-to-end demo\n")
+    machine = meta["machine"].get("cpu") or f"{meta['machine']['cpus']} CPUs"
     L.append(f"Run {meta['started']}, git commit `{meta['git']['commit']}`"
              f"{' (working tree dirty)' if meta['git']['dirty'] else ''}, seed {meta['seed']}"
-             f"{', **--quick** sizes' if cfg.quick else ''}. Machine: {meta['machine']['cpus']} CPUs, load average "
+             f"{', **--quick** sizes' if cfg.quick else ''}. Machine: {machine}, load average "
              f"{meta['machine']['load_avg_1_5_15']} at the start (shared with other jobs), JAX "
              f"{meta['machine']['jax']} on {meta['machine']['backend']}. "
              f"Sandbox: `{cfg.sandbox_kind()}`{_sandbox_note(cfg)}.\n")
