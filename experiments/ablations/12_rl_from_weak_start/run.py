@@ -7,7 +7,9 @@ noisier teacher: `sft.teacher_error`), then runs RL from that same SFT model onc
 avg@1, best-of-2 and pass@2 with their within-seed 95% intervals; per variant: the mean over seeds with a 95%
 interval over seeds and a two-level interval (seeds, then tasks within each seed).
 
-    python -m experiments.ablations.12_rl_from_weak_start.run [--config FILE] [--out DIR] [--quick]
+    python -m experiments.ablations.12_rl_from_weak_start.run [--config FILE] [--out DIR] [--quick] [--summary-only]
+
+--summary-only runs nothing and summarises the (seed, variant) runs that finished.
 
 Runs resume: a (seed, variant) that finished before is not run again (experiments.seeds).
 """
@@ -113,12 +115,18 @@ def plot(result: dict, path: Path) -> Path:
 def main(argv=None) -> dict:
     from experiments.seeds.runner import main as seeds_main
 
+    summary_only = "--summary-only" in (argv := list(sys.argv[1:] if argv is None else argv))
+    argv = [a for a in argv if a != "--summary-only"]
     args, raw = ablation_args(argv, __doc__, HERE, "tiny demo sizes (--quick): every stage runs, nothing is learned")
     if args.quick:
         raw = {**raw, "seeds": raw["seeds"][:1], "variants": dict(list(raw["variants"].items())[:2])}
     out = Path(args.out).resolve()
     failed = []
     for study, argv_ in plan(raw, out, args.quick):
+        if summary_only:  # tabulate the (seed, variant) runs found, run nothing
+            if Path(study, "seeds.json").is_file():
+                seeds_main(["--summary-only", *argv_])
+            continue
         print(f"== {study}", flush=True)
         if seeds_main(argv_) != 0:
             failed.append(study)
