@@ -91,8 +91,9 @@ class LengthPenaltyConfig:
     final_message_tokens: float = 1.0
     tool_calls: float = 50.0
     turns: float = 50.0
-    # which episodes pay it. The report's penalty buys efficiency on tasks the agent solves; at a low solve rate an
-    # ungated penalty is most of a group's reward spread and trains brevity instead of solving (issue 38):
+    # which episodes pay it. The report's penalty buys efficiency on tasks the agent solves; in an all-fail group an
+    # ungated penalty is the whole advantage, and at a low solve rate most groups are all-fail (measured in
+    # experiments/ablations/12_rl_from_weak_start: `resolved` lifted the weakest start, `always` did not):
     #   always        every episode (the report's formula as written)
     #   resolved      only episodes whose verdict >= resolved_at (efficiency among successes)
     #   mixed_groups  only in groups whose verdicts differ (all-fail / all-pass groups get the bare verdict)

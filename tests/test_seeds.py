@@ -146,3 +146,13 @@ def test_ablation01_rank_correlation_and_slope_within_a_seed_and_pooled_over_see
     assert row["spearman"] == pytest.approx(1 - 6 * np.sum(d ** 2) / (9 * 80))
     assert row["spearman_ci"][0] <= row["spearman"] <= row["spearman_ci"][1]
     assert row["slope_ci"][0] <= row["slope"] <= row["slope_ci"][1] < 0
+
+
+def test_recorded_commands_name_no_path_of_this_machine():
+    """seeds.json / SEEDS.md are committed with studies: the interpreter is `python`, repository paths relative."""
+    from experiments.seeds.runner import ROOT, portable
+
+    argv = [sys.executable, "-m", "experiments.demo", "--sft-from", str(ROOT / "runs" / "sft" / "seed-{seed}"),
+            "--out", "{out}", ".venv/bin/python", "/elsewhere/data"]
+    assert portable(argv) == ["python", "-m", "experiments.demo", "--sft-from", "runs/sft/seed-{seed}", "--out",
+                              "{out}", "python", "/elsewhere/data"]

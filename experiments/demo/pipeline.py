@@ -127,7 +127,8 @@ class DemoConfig:
     # `all` (+ RL, eval after RL, HF export, report). Seed studies of the SFT start stop early (experiments/seeds)
     until: str = "all"
     # a finished run's directory (--until eval or all) whose transcripts, base, CPT + SFT model and before-RL eval
-    # this run reuses, running only RL and what follows: RL variants from one SFT start (experiments/weak_start).
+    # this run reuses, running only RL and what follows: RL variants from one SFT start
+    # (experiments/ablations/12_rl_from_weak_start).
     # Every setting but the RL ones (RL_SETTINGS) must equal that run's
     sft_from: str = ""
 

@@ -98,6 +98,14 @@ def build_command(target: list[str], seed: int, run_dir: Path) -> tuple[list[str
     return [a.replace("{seed}", str(seed)).replace("{out}", str(run_dir)) for a in target], "json"
 
 
+def portable(argv: list[str]) -> list[str]:
+    """argv as recorded in seeds.json / SEEDS.md: this interpreter as `python`, paths inside the repository
+    relative to its root (the runs are started from there), so a committed study names no machine's paths."""
+    root, python = f"{ROOT}{os.sep}", {sys.executable, str(Path(sys.executable).resolve())}
+    return ["python" if a in python or a.endswith(("/bin/python", "/bin/python3")) else a.replace(root, "")
+            for a in argv]
+
+
 def run_one(argv: list[str], run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
     """Runs argv with its output in run_dir/log.txt; the record of how it went (also run_dir/seed_done.json)."""
     from c2jax.machine import load_average
@@ -200,7 +208,8 @@ def main(argv=None) -> int:
                 row["status"] = f"unreadable: {e}"
         per_seed[s] = row
     summary = summarize(figures) if figures else {}
-    result = {"command": args.target, "seeds": seeds, "per_seed": list(per_seed.values()), "summary": summary}
+    result = {"command": portable(args.target), "summary_only": bool(args.summary_only), "seeds": seeds,
+              "per_seed": list(per_seed.values()), "summary": summary}
     if kind in POOLED and figures:
         result["pooled"] = POOLED[kind]({s: out / f"seed-{s}" for s in figures})
     write_json(out / "seeds.json", result, machine=finish(machine))
@@ -242,8 +251,10 @@ def seeds_markdown(result: dict, machine: dict, render_table) -> str:
                  "slope 95% CI": _fmt_ci(v.get("slope_ci"))}
                 for k, v in result["pooled"].items() if isinstance(v, dict)]
         pooled = "\n\n" + render_table(prow)
-    return (f"# `{' '.join(result['command'])}` over seeds {seeds}\n\nMachine: {summary_line(machine)}\n\n"
+    # --summary-only: the machine line is when the table was made; each seed's own load is in the status table
+    where = "Summarised (nothing run) on" if result.get("summary_only") else "Machine"
+    return (f"# `{' '.join(result['command'])}` over seeds {seeds}\n\n{where}: {summary_line(machine)}\n\n"
             + (render_table(rows) if rows else "(no finished seed)") + pooled + "\n\n" + render_table(status) + "\n")
 
 
-__all__ = ["build_command", "main", "parse_seeds", "run_one", "seeds_markdown"]
+__all__ = ["build_command", "main", "parse_seeds", "portable", "run_one", "seeds_markdown"]

@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
             raise SystemExit(f"the SFT starts failed ({study}/seed-*/log.txt); no RL variant can run")
     result = summarise(raw, out)
     result["failed"] = failed
-    result["plot"] = str(plot(result, out / "weak_start.png"))
+    result["plot"] = plot(result, out / "weak_start.png").name  # beside results.json
     write_result(out, result, args.machine)
     print(json.dumps({n: {k: round(v["summary"][k]["mean"], 3) for k in v["summary"]}
                       for n, v in result["variants"].items()}, indent=1))
