@@ -225,6 +225,17 @@ def test_rl_lifts_best_of_k_intervals_and_paired_difference_from_step0():
     assert d["best_of_4"]["diff"] == pytest.approx(0.75) and d["best_of_4"]["ci_low"] > 0.25
 
 
+def test_rl_lifts_best_of_k_reuses_a_named_demo_runs_sft_start(tmp_path):
+    """Ablation 02's `sft_from:` (with {seed} replaced by the config's seed) goes to the demo's --sft-from: a run
+    directory without results.json is refused by name before any stage runs."""
+    mod = _load_script("02_rl_lifts_best_of_k")
+    raw = {"seed": 3, "steps": 28, "eval_every": 7, "k": 4, "eval_prompts": 8,
+           "sft_from": str(tmp_path / "demo" / "seed-{seed}")}
+    with pytest.raises(FileNotFoundError, match=r"seed-3: no results.json"):
+        mod.run_ladder(raw, False, tmp_path / "work")
+    assert not (tmp_path / "work" / "base").exists()
+
+
 def test_weak_start_study_runs_every_variant_from_the_same_sft_start(tmp_path):
     """Ablation 12's plan: one SFT-start study (--until eval with the `sft` flags), then per variant an RL run
     from each seed's own SFT start (--sft-from) with the same SFT flags (else --sft-from refuses) and its own."""

@@ -5,7 +5,8 @@ prompts and the paired difference from step 0.
 
 Variants (`variant:` in the config):
   ladder (config.yaml, default): the demo's SFT coding agent on held-out multi-turn ladder tasks (echo, lookup),
-      graded by their hidden tests in sandboxes; the demo's data, pretraining and CPT + SFT stages run first.
+      graded by their hidden tests in sandboxes; the demo's data, pretraining and CPT + SFT stages run first,
+      or `sft_from:` names a finished `make demo` run (with the same settings and seed) whose SFT start is reused.
   target (target.yaml): the single-turn "emit the target token" task on a random-init tiny MoE (fast).
 
     python -m experiments.ablations.02_rl_lifts_best_of_k.run [--config FILE] [--quick] [--out DIR]
@@ -59,11 +60,16 @@ def run_ladder(raw: dict, quick: bool, work: Path) -> tuple[dict, dict]:
     if quick:
         raw = raw | {"steps": 2, "eval_every": 1, "k": 2, "eval_prompts": 2}
     values = (demo.DemoConfig.quick_defaults() if quick else {}) | dict(raw.get("demo") or {})
-    cfg = demo.DemoConfig(**(values | {"out": str(work), "seed": int(raw["seed"]), "rl_steps": int(raw["steps"])}))
+    sft_from = str(raw.get("sft_from") or "").replace("{seed}", str(int(raw["seed"])))
+    cfg = demo.DemoConfig(**(values | {"out": str(work), "seed": int(raw["seed"]), "rl_steps": int(raw["steps"]),
+                                       "sft_from": sft_from}))
     demo.prepare_out(work)
-    data = demo.stage_data(cfg, work)
-    base = demo.stage_base(cfg, work, data)
-    cpt = demo.stage_cpt(cfg, work, data, base)
+    if sft_from:  # the same SFT start a finished demo run made (refused if it differs in a non-RL setting)
+        cpt = demo.reused_sft_start(cfg, work)["cpt"]
+    else:
+        data = demo.stage_data(cfg, work)
+        base = demo.stage_base(cfg, work, data)
+        cpt = demo.stage_cpt(cfg, work, data, base)
     model_cfg = demo.load_hf_model(cpt["hf"]).cfg
     rcfg = demo.rl_config(cfg, work, model_cfg, cpt["hf"])
     rcfg = dataclasses.replace(rcfg, eval=OnlineEval(every=int(raw["eval_every"]), k=int(raw["k"])),
