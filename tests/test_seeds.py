@@ -99,8 +99,7 @@ def test_build_command_for_the_demo_and_an_ablation(tmp_path):
                                           "--until", "eval"]
     with pytest.raises(ValueError, match="set by the seed runner"):
         build_command(["demo", "--seed", "1"], 0, tmp_path)
-    run = tmp_path / "seed-2"
-    run.mkdir()
+    run = tmp_path / "study" / "seed-2"  # not made yet: a new study plans every seed before running any
     argv, fig = build_command(["ablation02", "--quick"], 2, run)
     assert fig == "ablation02" and "experiments.ablations.02_rl_lifts_best_of_k.run" in argv and "--quick" in argv
     import yaml

@@ -66,6 +66,7 @@ def seed_config(base: Path, seed: int, run_dir: Path) -> Path:
     if "seed" not in raw:
         raise ValueError(f"{base}: has no top-level `seed:` for the seed runner to set")
     raw["seed"] = seed
+    run_dir.mkdir(parents=True, exist_ok=True)  # the plan is made before any seed runs
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
