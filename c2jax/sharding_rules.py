@@ -26,6 +26,7 @@ DEFAULT_PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "q_lora": ("fsdp", "expert", "context"),  # FSDP needs a dimension on every weight: q_b_proj has no embed axis
     "kv_lora": ("fsdp", "expert", "context"),
     "heads": "tensor",
+    "kv_heads": "tensor",  # GQA's K/V heads (fewer than the query heads)
     "head_dim": None,
     "mlp": "tensor",
     "experts": "expert",

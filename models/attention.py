@@ -1,10 +1,20 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2 sec. 2.1) with causal, document-aware masking.
+"""Self-attention with causal, document-aware masking: multi-head latent attention (MLA, DeepSeek-V2 sec. 2.1)
+and grouped-query attention (GQA, Ainslie et al. 2023; Llama, Qwen3), chosen by ModelConfig.attention_type
+(`make_attention`). Both expose the same pieces: `roped_queries`, `kv_entry` (what a KV cache keeps per token)
+and `kv_expand` (per-head keys and values from those entries), so the context-parallel path and the sampler
+treat them alike.
+
+MLA:
 
 q   = W_qb RMSNorm(W_qa x)                 (or W_q x when q_lora_rank is None)
 c   = RMSNorm(W_kva x)[:kv_lora_rank]      latent shared by all heads; cached at decode time
 k_r = RoPE(W_kva x)[kv_lora_rank:]         one RoPE key shared by all heads
 [k_nope | v] = W_kvb c                     per-head keys and values
 score = (q_nope.k_nope + RoPE(q_rope).k_r) * softmax_scale
+
+GQA:
+q = RoPE(norm_q(W_q x)) [H heads], k = RoPE(norm_k(W_k x)), v = W_v x [num_key_value_heads heads each], with the
+optional per-head RMSNorms of Qwen3; query head h reads K/V head h // (H / num_key_value_heads).
 """
 
 from __future__ import annotations
@@ -33,7 +43,70 @@ class AttentionMask(NamedTuple):
     segment_ids: jnp.ndarray | None = None
 
 
-class MLAttention(nnx.Module):
+class _SelfAttention(nnx.Module):
+    """What MLA and GQA share: attention over kv_expand(kv_entry(x)) with the platform's backend, the output
+    projection, and the exact context-parallel path (which all-gathers only the kv entries)."""
+
+    def __call__(self, x, cos, sin, mask: AttentionMask | ContextParallelMask):
+        if isinstance(mask, ContextParallelMask):
+            return self._context_parallel(x, cos, sin, mask)
+        if not isinstance(mask, AttentionMask):
+            raise TypeError(f"mask must be an AttentionMask (segment ids) or a ContextParallelMask, got "
+                            f"{type(mask).__name__}: attention never takes an S x S mask")
+        cfg = self.cfg
+        q = self.roped_queries(x, cos, sin)
+        k, v = self.kv_expand(*self.kv_entry(x, cos, sin))
+        # the platform's backend (models/attention_backends.py; $C2JAX_ATTENTION overrides): on CPU the dense
+        # path up to 512 x 512 scores, exact blockwise attention (memory O(S)) beyond
+        out = attention(q, k, v, scale=cfg.softmax_scale, segment_ids=mask.segment_ids)
+        return jnp.einsum("bshv,hvd->bsd", out, self.o_proj[...].astype(x.dtype))
+
+    def _context_parallel(self, x, cos, sin, cp_mask: ContextParallelMask):
+        """Attention under context parallelism (Composer 2 sec. 6), exact.
+
+        x is this rank's two chunks (i and 2CP-1-i, see models/context_parallel.py). Each rank computes
+        its queries and its tokens' kv entries; only those are all-gathered over the CP axis (MLA: the
+        latents, kv_lora_rank + rope dims per token, not per head, which every rank then up-projects with the
+        replicated, small kv_b_proj; GQA: the num_key_value_heads keys and values). Because the layout is
+        balanced, a static bound holds on every rank: chunk i < CP needs only the first CP chunks of keys,
+        chunk 2CP-1-i needs all, so 3/4 of the full [S/CP, S] score block is computed, the same on every rank."""
+        cfg = self.cfg
+        mesh, cp_axes = active_mesh_axes("seq")
+        cp_axis = cp_axes[0] if len(cp_axes) == 1 else cp_axes
+        cp = int(np.prod([mesh.shape[a] for a in cp_axes]))
+        tok_batch = tuple(a for a in batch_axes() if a not in cp_axes) or None
+        seq = x.shape[1]
+        chunk = seq // (2 * cp)
+        inverse = jnp.asarray(inverse_order(balanced_order(seq, cp)))
+        graphdef, params = nnx.split(self)
+        has_segments = cp_mask.segment_ids is not None
+
+        def local(params, x, cos, sin, segments, q_index):
+            attn = nnx.merge(graphdef, params)
+            q = attn.roped_queries(x, cos, sin)
+            gather = lambda a: jax.lax.all_gather(a, cp_axis, axis=1, tiled=True)[:, inverse]
+            k, v = attn.kv_expand(*(gather(a) for a in attn.kv_entry(x, cos, sin)))  # original order
+            key_segments = gather(segments) if has_segments else None
+
+            def part(rows, num_keys):
+                # causal by original position (the keys are in original order), within documents
+                return attention(q[:, rows], k[:, :num_keys], v[:, :num_keys], scale=cfg.softmax_scale,
+                                 q_segment_ids=segments[:, rows] if has_segments else None,
+                                 kv_segment_ids=key_segments[:, :num_keys] if has_segments else None,
+                                 q_positions=q_index[rows], kv_positions=jnp.arange(num_keys, dtype=jnp.int32))
+
+            out = jnp.concatenate([part(slice(0, chunk), cp * chunk), part(slice(chunk, 2 * chunk), seq)], 1)
+            return jnp.einsum("bshv,hvd->bsd", out, attn.o_proj[...].astype(x.dtype))
+
+        tokens = P(tok_batch, cp_axis, None)
+        fn = jax.shard_map(local, mesh=mesh, check_vma=False,
+                           in_specs=(P(), tokens, tokens, tokens, P(tok_batch, cp_axis) if has_segments else None,
+                                     P(cp_axis)),
+                           out_specs=tokens)
+        return fn(params, x, cos, sin, cp_mask.segment_ids, cp_mask.seq_index)
+
+
+class MLAttention(_SelfAttention):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: int | None = None):
         self.cfg = cfg
         d, h = cfg.hidden_size, cfg.num_attention_heads
@@ -85,60 +158,47 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         return jnp.concatenate([q_nope, apply_rope(q_rope, cos, sin, cfg.rope_interleave)], axis=-1)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask | ContextParallelMask):
-        if isinstance(mask, ContextParallelMask):
-            return self._context_parallel(x, cos, sin, mask)
-        if not isinstance(mask, AttentionMask):
-            raise TypeError(f"mask must be an AttentionMask (segment ids) or a ContextParallelMask, got "
-                            f"{type(mask).__name__}: attention never takes an S x S mask")
-        cfg = self.cfg
-        q = self.roped_queries(x, cos, sin)
-        k, v = self.expand(*self.latents(x, cos, sin))
-        # the platform's backend (models/attention_backends.py; $C2JAX_ATTENTION overrides): on CPU the dense
-        # path up to 512 x 512 scores, exact blockwise attention (memory O(S)) beyond
-        out = attention(q, k, v, scale=cfg.softmax_scale, segment_ids=mask.segment_ids)
-        return jnp.einsum("bshv,hvd->bsd", out, self.o_proj[...].astype(x.dtype))
+    # the shared interface: MLA caches the latent and the shared RoPE key, and expands them per head
+    def kv_entry(self, x, cos, sin):
+        return self.latents(x, cos, sin)
 
-    def _context_parallel(self, x, cos, sin, cp_mask: ContextParallelMask):
-        """MLA under context parallelism (Composer 2 sec. 6), exact.
+    def kv_expand(self, latent, k_rope):
+        return self.expand(latent, k_rope)
 
-        x is this rank's two chunks (i and 2CP-1-i, see models/context_parallel.py). Each rank computes
-        its queries and its tokens' KV latents; only the latents (kv_lora_rank + rope dims per token, not
-        per head) are all-gathered over the CP axis; every rank then up-projects the whole sequence's
-        latents with the (replicated, small) kv_b_proj. Because the layout is balanced, a static bound
-        holds on every rank: chunk i < CP needs only the first CP chunks of keys, chunk 2CP-1-i needs all,
-        so 3/4 of the full [S/CP, S] score block is computed, the same on every rank."""
-        cfg = self.cfg
-        mesh, cp_axes = active_mesh_axes("seq")
-        cp_axis = cp_axes[0] if len(cp_axes) == 1 else cp_axes
-        cp = int(np.prod([mesh.shape[a] for a in cp_axes]))
-        tok_batch = tuple(a for a in batch_axes() if a not in cp_axes) or None
-        seq = x.shape[1]
-        chunk = seq // (2 * cp)
-        inverse = jnp.asarray(inverse_order(balanced_order(seq, cp)))
-        graphdef, params = nnx.split(self)
-        has_segments = cp_mask.segment_ids is not None
 
-        def local(params, x, cos, sin, segments, q_index):
-            attn = nnx.merge(graphdef, params)
-            q = attn.roped_queries(x, cos, sin)
-            gather = lambda a: jax.lax.all_gather(a, cp_axis, axis=1, tiled=True)[:, inverse]
-            k, v = attn.expand(*(gather(a) for a in attn.latents(x, cos, sin)))  # original order
-            key_segments = gather(segments) if has_segments else None
+class GQAttention(_SelfAttention):
+    """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and full-width RoPE."""
 
-            def part(rows, num_keys):
-                # causal by original position (the keys are in original order), within documents
-                return attention(q[:, rows], k[:, :num_keys], v[:, :num_keys], scale=cfg.softmax_scale,
-                                 q_segment_ids=segments[:, rows] if has_segments else None,
-                                 kv_segment_ids=key_segments[:, :num_keys] if has_segments else None,
-                                 q_positions=q_index[rows], kv_positions=jnp.arange(num_keys, dtype=jnp.int32))
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: int | None = None):
+        self.cfg = cfg
+        d, h, kv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.gqa_head_dim
+        self.q_proj = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), cfg=cfg, stack=stack)
+        self.k_proj = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), cfg=cfg, stack=stack)
+        self.v_proj = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), cfg=cfg, stack=stack)
+        self.o_proj = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), cfg=cfg, stack=stack)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg, rngs, stack)
+            self.k_norm = RMSNorm(dh, cfg, rngs, stack)
 
-            out = jnp.concatenate([part(slice(0, chunk), cp * chunk), part(slice(chunk, 2 * chunk), seq)], 1)
-            return jnp.einsum("bshv,hvd->bsd", out, attn.o_proj[...].astype(x.dtype))
+    def _project(self, x, w, norm):
+        y = jnp.einsum("bsd,dhk->bshk", x, w[...].astype(x.dtype))
+        return norm(y) if self.cfg.qk_norm else y
 
-        tokens = P(tok_batch, cp_axis, None)
-        fn = jax.shard_map(local, mesh=mesh, check_vma=False,
-                           in_specs=(P(), tokens, tokens, tokens, P(tok_batch, cp_axis) if has_segments else None,
-                                     P(cp_axis)),
-                           out_specs=tokens)
-        return fn(params, x, cos, sin, cp_mask.segment_ids, cp_mask.seq_index)
+    def roped_queries(self, x, cos, sin):
+        q = self._project(x, self.q_proj, getattr(self, "q_norm", None))
+        return apply_rope(q, cos, sin, self.cfg.rope_interleave)
+
+    def kv_entry(self, x, cos, sin):
+        """RoPE'd keys and values [B, S, num_key_value_heads, head_dim]: what the KV cache holds."""
+        k = self._project(x, self.k_proj, getattr(self, "k_norm", None))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...].astype(x.dtype))
+        return apply_rope(k, cos, sin, self.cfg.rope_interleave), v
+
+    def kv_expand(self, k, v):
+        # the attention registry reads grouped K/V itself (models/attention_backends.py)
+        return k, v
+
+
+def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, stack: int | None = None) -> _SelfAttention:
+    """The attention module ModelConfig.attention_type names."""
+    return (GQAttention if cfg.attention_type == "gqa" else MLAttention)(cfg, rngs, stack)

@@ -9,6 +9,8 @@ Every backend takes the same arguments: q [B, Sq, H, Dqk], k [B, Sk, H, Dqk], v 
 scale, q_segment_ids / kv_segment_ids ([B, S] int), q_positions / kv_positions ([S] or [B, S] int; None =
 arange) and causal. Key j is visible to query i iff (not causal or kv_positions[j] <= q_positions[i]) and (no
 segments or the segment ids are equal); a query that sees no key gets zeros. Returns [B, Sq, H, Dv].
+Grouped-query attention: k and v may have Hkv heads dividing H (query head h reads K/V head h // (H / Hkv));
+a backend that reads grouped K/V itself says so (Backend.grouped_kv), the others get them repeated per head.
 
     "blockwise"  models/blockwise_attention.py: exact, memory O(S), program size independent of S. Any platform.
     "dense"      models/dense_attention.py's dot_product_attention (hand-written VJP, saves [B, H, Sq, Sk]
@@ -52,6 +54,7 @@ class Backend:
     fn: Callable
     platforms: tuple[str, ...] | None = None  # jax.default_backend() values it runs on; None: any
     description: str = ""
+    grouped_kv: bool = False  # takes k, v with fewer heads than q (GQA) without their being repeated
 
     def runs_on(self, platform: str) -> bool:
         return self.platforms is None or platform in self.platforms
@@ -112,8 +115,15 @@ def attention(q, k, v, *, scale: float, segment_ids=None, q_segment_ids=None, kv
         q_positions = kv_positions = positions
     kwargs = dict(scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_positions=q_positions, kv_positions=kv_positions, causal=causal)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if v.shape[2] != kv_heads or heads % kv_heads:
+        raise ValueError(f"attention: k and v must have the same number of heads dividing q's {heads}, got "
+                         f"k {k.shape[2]}, v {v.shape[2]}")
     refusals = []
     for b in candidates(backend):
+        if kv_heads != heads and not b.grouped_kv:  # GQA for a backend that wants one K/V head per query head
+            k, v = jnp.repeat(k, heads // kv_heads, axis=2), jnp.repeat(v, heads // kv_heads, axis=2)
+            kv_heads = heads
         try:
             return b.fn(q, k, v, **kwargs)
         except NotImplementedError as e:
@@ -193,4 +203,5 @@ def _cudnn(q, k, v, *, scale, q_segment_ids=None, kv_segment_ids=None, q_positio
 register(Backend("blockwise", blockwise_attention, description="exact FlashAttention-2-style blocks, O(S) memory"))
 register(Backend("dense", _dense, description="dense_attention.dot_product_attention, O(S^2); the oracle"))
 register(Backend("auto", _auto, description="dense for small Sq*Sk, blockwise otherwise"))
-register(Backend("cudnn", _cudnn, platforms=("gpu",), description="jax.nn.dot_product_attention cuDNN"))
+register(Backend("cudnn", _cudnn, platforms=("gpu",), description="jax.nn.dot_product_attention cuDNN",
+                grouped_kv=True))

@@ -18,6 +18,15 @@ MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_pe
 MOE_QUANT_DIVISIONS = ("ieee", "approx")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_attn_kernel")
 SCORING_FUNCS = ("sigmoid", "softmax")
+# "mla": DeepSeek-V2/V3 multi-head latent attention; "gqa": grouped-query attention (Llama, Qwen3; MHA when
+# num_key_value_heads == num_attention_heads, MQA when it is 1)
+ATTENTION_TYPES = ("mla", "gqa")
+# expert selection: "noaux_tc" (DeepSeek-V3: groups ranked by the sum of their top-2 biased scores),
+# "group_limited_greedy" (DeepSeek-V2: groups ranked by their best score), "greedy" (top-k over all experts)
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+ROPE_SCALING_TYPES = ("yarn", "llama3")
+# the Hugging Face model_type a ModelConfig exports as (models/hf/families/); also what `from_pretrained` read
+HF_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen3", "llama")  # Kimi K2 / K2.5: deepseek_v3
 DTYPES = ("float32", "bfloat16", "float16")
 # Short names researchers type; the canonical name is what configs store and YAML shows.
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "bf16": "bfloat16",
@@ -55,7 +64,9 @@ def dtype_name(value, *, field: str = "dtype", allowed: tuple[str, ...] = DTYPES
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN parameters as in HF's `rope_scaling` / `rope_parameters` for DeepseekV3 (Peng et al. 2023)."""
+    """RoPE frequency scaling as in HF's `rope_scaling` / `rope_parameters`: YaRN (type "yarn", Peng et al. 2023;
+    DeepSeek-V3, Kimi, Qwen3 long context) or Llama 3's ("llama3": low/high_freq_factor over the original
+    context)."""
 
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
@@ -66,10 +77,17 @@ class RopeScaling:
     truncate: bool = True  # floor/ceil the YaRN correction range, as HF does by default
     attention_factor: float | None = None  # cos/sin scale; None: derived from mscale (HF rule)
     type: str = "yarn"
+    # llama3 only: wavelengths above original / low_freq_factor are interpolated by `factor`, below
+    # original / high_freq_factor kept, smoothly blended between
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
     def __post_init__(self):
-        if self.type != "yarn":
-            raise ConfigError(f"rope_scaling.type: only 'yarn' is supported, got {self.type!r}")
+        if self.type not in ROPE_SCALING_TYPES:
+            raise ConfigError(f"rope_scaling.type must be one of {ROPE_SCALING_TYPES}, got {self.type!r}")
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                              f"{self.low_freq_factor}, {self.high_freq_factor}")
         if self.factor < 1.0:
             raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
         if self.original_max_position_embeddings <= 0:
@@ -83,7 +101,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A DeepSeek-V3 / Kimi-K2-shaped MoE transformer with MLA attention."""
+    """A decoder-only transformer: DeepSeek-V3 / Kimi-K2-shaped (MLA attention, sigmoid-routed MoE with shared
+    experts, MTP) by default; the same fields describe DeepSeek-V2 (softmax routing), Qwen3-MoE and the dense
+    GQA families (Qwen3, Llama: `attention_type="gqa"`, every layer dense). docs/models.md lists the families."""
 
     vocab_size: int = 256
     hidden_size: int = 64
@@ -91,6 +111,12 @@ class ModelConfig:
     moe_intermediate_size: int = 32  # width of one routed / shared expert
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
+    attention_type: str = "mla"
+    # GQA (attention_type="gqa"): K/V heads (None: num_attention_heads), the head width (None: hidden / heads;
+    # Qwen3 sets 128 whatever the width), per-head RMSNorm of q and k before RoPE (Qwen3)
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
     # MLA
     q_lora_rank: int | None = None  # None: direct q projection
     kv_lora_rank: int = 32
@@ -106,7 +132,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     scoring_func: str = "sigmoid"
-    first_k_dense_replace: int = 1
+    topk_method: str = "noaux_tc"
+    first_k_dense_replace: int = 1  # layers [0, k) dense SwiGLU, the rest MoE (every layer dense: k = layers)
     # position / norms / head
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -116,6 +143,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 multi-token-prediction modules
+    hf_model_type: str = "deepseek_v3"  # the Hugging Face family `save_pretrained` writes (HF_MODEL_TYPES)
     # execution (not part of the HF format)
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights)
@@ -181,7 +209,7 @@ class ModelConfig:
         if self.topk_group > self.n_group:
             raise ConfigError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
         experts_per_group = self.n_routed_experts // self.n_group
-        if self.n_group > 1 and experts_per_group < 2:
+        if self.n_group > 1 and experts_per_group < 2 and self.topk_method == "noaux_tc":
             raise ConfigError("n_group > 1 needs at least 2 experts per group (group score = top-2 sum)")
         if self.topk_group * experts_per_group < self.num_experts_per_tok:
             raise ConfigError(
@@ -197,6 +225,25 @@ class ModelConfig:
             raise ConfigError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.num_nextn_predict_layers < 0:
             raise ConfigError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ConfigError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ConfigError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise ConfigError(f"hf_model_type must be one of {HF_MODEL_TYPES}, got {self.hf_model_type!r}")
+        for name in ("num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        if self.attention_type == "gqa":
+            if self.num_attention_heads % self.kv_heads:
+                raise ConfigError(f"num_key_value_heads ({self.kv_heads}) must divide num_attention_heads "
+                                  f"({self.num_attention_heads})")
+            if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"head_dim is null, so hidden_size ({self.hidden_size}) must be a multiple of "
+                                  f"num_attention_heads ({self.num_attention_heads}); or set head_dim")
+            if self.gqa_head_dim % 2:
+                raise ConfigError(f"head_dim must be even (RoPE rotates pairs), got {self.gqa_head_dim}")
         if self.scoring_func not in SCORING_FUNCS:
             raise ConfigError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.moe_impl not in MOE_IMPLS:
@@ -235,8 +282,35 @@ class ModelConfig:
 
     # derived quantities -------------------------------------------------------------------------
     @property
+    def kv_heads(self) -> int:
+        """GQA key/value heads (num_attention_heads when num_key_value_heads is null)."""
+        return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    @property
+    def gqa_head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
+
+    @property
     def qk_head_dim(self) -> int:
+        """Query/key width per head: nope + rope dims for MLA, head_dim for GQA."""
+        if self.attention_type == "gqa":
+            return self.gqa_head_dim
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.gqa_head_dim if self.attention_type == "gqa" else self.v_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head: MLA's decoupled qk_rope_head_dim, a GQA head's all."""
+        return self.gqa_head_dim if self.attention_type == "gqa" else self.qk_rope_head_dim
+
+    @property
+    def has_router_bias(self) -> bool:
+        """Whether the family's checkpoints carry the selection bias (DeepSeek-V3's e_score_correction_bias);
+        the others' stays zero and is neither read nor written."""
+        return self.hf_model_type == "deepseek_v3"
 
     @property
     def num_dense_layers(self) -> int:
@@ -248,10 +322,11 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """1/sqrt(d_qk), times YaRN's mscale(factor, mscale_all_dim)^2 (DeepSeek-V2 sec. 2.1, HF)."""
+        """1/sqrt(d_qk), times YaRN's mscale(factor, mscale_all_dim)^2 for MLA (DeepSeek-V2 sec. 2.1, HF);
+        GQA families scale only cos/sin (transformers' Llama / Qwen3)."""
         scale = self.qk_head_dim ** -0.5
         rs = self.rope_scaling
-        if rs is not None and rs.mscale_all_dim:
+        if self.attention_type == "mla" and rs is not None and rs.type == "yarn" and rs.mscale_all_dim:
             m = yarn_mscale(rs.factor, rs.mscale_all_dim)
             scale = scale * m * m
         return scale

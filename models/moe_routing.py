@@ -1,6 +1,7 @@
-"""DeepSeek-V3 MoE routing: a sigmoid (or softmax) router with a selection-only bias, group-limited top-k and
-router replay. `route` turns tokens into a `Routing` (experts, combine weights, load counts, logits), which the
-dispatch paths (models/moe_dispatch.py) and expert parallelism (models/expert_parallel.py) consume.
+"""MoE routing (DeepSeek-V3, DeepSeek-V2, Qwen3-MoE): a sigmoid or softmax router with a selection-only bias,
+group-limited top-k and router replay. `route` turns tokens into a `Routing` (experts, combine weights, load counts,
+logits), which the dispatch paths (models/moe_dispatch.py) and expert parallelism (models/expert_parallel.py)
+consume.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ class Routing(NamedTuple):
 
 def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.ndarray,
           replay_ids: jnp.ndarray | None = None) -> Routing:
-    """Top-k routing of DeepSeek-V3 (sec. 2.1.2, "noaux_tc").
+    """Top-k routing of DeepSeek-V3 (sec. 2.1.2, "noaux_tc"), DeepSeek-V2 and Qwen3-MoE.
 
-    s = sigmoid(x W_r) (or softmax); selection uses s + b, where b is the aux-loss-free balancing bias;
-    with n_group > 1 only the topk_group groups with the largest top-2 sums of (s + b) are eligible.
+    s = sigmoid(x W_r) or softmax(x W_r) (cfg.scoring_func); selection uses s + b, where b is the aux-loss-free
+    balancing bias (zero and untouched for families without it). cfg.topk_method picks the eligible experts:
+    "noaux_tc" (V3) keeps the topk_group groups with the largest top-2 sums of (s + b), "group_limited_greedy"
+    (V2) those with the largest single score, "greedy" (V2-Lite, Qwen3-MoE) every expert.
     Weights g = s[selected], renormalised to sum 1 if norm_topk_prob, then times routed_scaling_factor.
     With `replay_ids` (router replay for RL) the selection is taken as given and only g is recomputed
     from the live scores, so gradients still reach the router; with cfg.router_replay_filter_ratio > 0
@@ -37,9 +40,12 @@ def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.nda
     num_experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if replay_ids is None:
         choice = scores + bias.astype(jnp.float32)
-        if cfg.n_group > 1:
+        if cfg.n_group > 1 and cfg.topk_method != "greedy":
             grouped = choice.reshape(-1, cfg.n_group, num_experts // cfg.n_group)
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            if cfg.topk_method == "noaux_tc":
+                group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            else:  # group_limited_greedy
+                group_scores = grouped.max(-1)
             _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
             keep = jnp.zeros_like(group_scores, dtype=bool).at[
                 jnp.arange(group_scores.shape[0])[:, None], top_groups].set(True)

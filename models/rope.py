@@ -1,4 +1,5 @@
-"""Rotary position embeddings, plain and YaRN-scaled, matching Hugging Face's DeepseekV3 numerics."""
+"""Rotary position embeddings: plain, YaRN-scaled and Llama-3-scaled, matching Hugging Face's numerics (DeepseekV3,
+Llama, Qwen3)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     linear ramp over the correction range; attention_factor = mscale(f, mscale) / mscale(f, mscale_all_dim)
     when both are set, else mscale(f). Computed in float32 like HF so parity holds bit for bit in spirit.
     """
-    dim = cfg.qk_rope_head_dim
+    dim = cfg.rope_dim
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     pos_freqs = np.float32(cfg.rope_theta) ** exponents
     inv_freq_extra = (1.0 / pos_freqs).astype(np.float32)
     rs = cfg.rope_scaling
     if rs is None:
         return inv_freq_extra, 1.0
+    if rs.type == "llama3":
+        return _llama3_inverse_frequencies(inv_freq_extra, rs), 1.0
     inv_freq_inter = (1.0 / (np.float32(rs.factor) * pos_freqs)).astype(np.float32)
     low, high = _yarn_correction_range(cfg, dim)
     if low == high:
@@ -55,6 +58,20 @@ def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     else:
         attention_factor = yarn_mscale(rs.factor)
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def _llama3_inverse_frequencies(inv_freq: np.ndarray, rs) -> np.ndarray:
+    """Llama 3.1's frequency-dependent scaling: wavelengths longer than original / low_freq_factor are
+    interpolated (inv_freq / factor), shorter than original / high_freq_factor kept, and the band between
+    blended by smooth = (original / wavelength - low) / (high - low) (transformers' _compute_llama3_parameters)."""
+    original, low, high = rs.original_max_position_embeddings, rs.low_freq_factor, rs.high_freq_factor
+    wavelength = np.float32(2 * math.pi) / inv_freq
+    low_freq_wavelength, high_freq_wavelength = original / low, original / high
+    scaled = np.where(wavelength > low_freq_wavelength, inv_freq / np.float32(rs.factor), inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(rs.factor) + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def rope_tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -1,5 +1,6 @@
-"""The DeepSeek-V3 / Kimi-K2 decoder: embeddings, dense then MoE layers (each a scanned stack), final
-norm, LM head, and optional multi-token-prediction modules (DeepSeek-V3 sec. 2.2).
+"""The decoder: embeddings, dense then MoE layers (each a scanned stack), final norm, LM head, and optional
+multi-token-prediction modules (DeepSeek-V3 sec. 2.2). DeepSeek-V3 / Kimi-K2-shaped by default; MLA or GQA
+attention and every router by ModelConfig (docs/models.md); a dense model is all dense layers.
 
 The module is a container. `forward(graphdef, state, ...)` is the pure function that jitted training and
 sampling code calls; `Transformer.__call__` is the same thing for interactive use.
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from c2jax.models.attention import AttentionMask, MLAttention
+from c2jax.models.attention import AttentionMask, make_attention
 from c2jax.models.blockwise_attention import KERNEL_RESIDUAL_NAMES
 from c2jax.models.config import ModelConfig
 from c2jax.models.context_parallel import (
@@ -47,7 +48,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs, stack: int | None = None):
         self.is_moe = moe
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs, stack)
-        self.self_attn = MLAttention(cfg, rngs, stack)
+        self.self_attn = make_attention(cfg, rngs, stack)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs, stack)
         self.mlp = MoE(cfg, rngs, stack) if moe else MLP(cfg, cfg.intermediate_size, rngs, stack)
 

@@ -634,11 +634,12 @@ def _hf_dict(**changes) -> dict:
         (dict(attention_bias=True), "attention_bias"),
         (dict(moe_layer_freq=2), "moe_layer_freq"),
         (dict(topk_method="group_limited_greedy"), "topk_method"),
-        (dict(topk_method="greedy", n_group=4, topk_group=2), "topk_method"),
+        (dict(topk_method="sparse"), "topk_method"),
         (dict(scoring_func="sparsemixer"), "scoring_func"),
         (
-            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
-            "rope_parameters.rope_type",
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+            "rope_parameters.rope_type",  # Llama-3 scaling exists for GQA families, not for DeepSeek's MLA
         ),
         (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type"),
         (
@@ -653,7 +654,7 @@ def _hf_dict(**changes) -> dict:
             dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}),
             "quantization_config.fmt",
         ),
-        (dict(model_type="llama"), "model_type"),
+        (dict(model_type="mixtral"), "model_type: 'mixtral' is not supported; supported model_types: deepseek_v3,"),
     ],
 )
 def test_unsupported_config_values_name_the_field(changes, field):

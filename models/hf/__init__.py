@@ -1,7 +1,8 @@
-"""Hugging Face interop: DeepSeek-V3 / Kimi-K2 `config.json` <-> `ModelConfig`, safetensors checkpoints
-<-> `Transformer`.
+"""Hugging Face interop: `config.json` <-> `ModelConfig` for every supported family (DeepSeek-V3 / V2, Kimi,
+Moonlight, Qwen3-MoE, Qwen3, Llama), safetensors checkpoints <-> `Transformer`.
 
-  config.py          config.json <-> ModelConfig (`config_from_hf`, `config_to_hf`)
+  config.py          config.json <-> ModelConfig (`config_from_hf`, `config_to_hf`), by family
+  families/          one module per family: its config mapping, defaults, refusals
   keys.py            parameter <-> checkpoint key mapping; the on-disk layout
   load.py            `from_pretrained`: the formats it accepts, MTP handling
   save.py            `save_pretrained`
@@ -11,7 +12,7 @@
   errors.py          `CheckpointError`, `CheckpointWarning`
 """
 
-from c2jax.models.hf.config import config_from_hf, config_to_hf
+from c2jax.models.hf.config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf
 from c2jax.models.hf.errors import CheckpointError, CheckpointWarning
 from c2jax.models.hf.fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_block, quantize_fp8_block
 from c2jax.models.hf.load import from_pretrained
@@ -20,6 +21,7 @@ from c2jax.models.hf.save import save_pretrained
 __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
+    "SUPPORTED_MODEL_TYPES",
     "CheckpointError",
     "CheckpointWarning",
     "config_from_hf",

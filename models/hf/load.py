@@ -79,7 +79,8 @@ def from_pretrained(
     sharding: Callable[[tuple[str, ...], nnx.Variable], Any] | None = None,
     **config_overrides: Any,
 ) -> Transformer:
-    """Load a DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 (text) safetensors checkpoint into a `Transformer`.
+    """Load a safetensors checkpoint of any supported family (DeepSeek-V3 / V2, Kimi-K2 / K2.5 text, Moonlight,
+    Qwen3-MoE, Qwen3, Llama: models/hf/families/) into a `Transformer`.
 
     dtype: sets ModelConfig.dtype and .param_dtype together (default: the ModelConfig defaults, float32): a
         name ("bfloat16", "bf16"), a NumPy / jnp dtype (jnp.bfloat16) or a torch dtype;
@@ -122,7 +123,8 @@ def from_pretrained(
             f"checkpoint holds {present} MTP layer(s) from model.layers.{num_layers}"
         )
     depth = cfg.num_nextn_predict_layers
-    bias_optional = text.get("topk_method") == "greedy"  # greedy checkpoints carry no correction bias
+    # greedy DeepSeek checkpoints, and families without a selection bias, carry no e_score_correction_bias
+    bias_optional = text.get("topk_method") == "greedy" or not cfg.has_router_bias
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)

@@ -60,7 +60,8 @@ def save_pretrained(
     dtype: Any = None,
     quantization: str | None = None,
 ) -> None:
-    """Write config.json + safetensors in DeepSeek's on-disk layout (see `c2jax.models.hf.keys`).
+    """Write config.json (of cfg.hf_model_type's family) + safetensors in the on-disk layout of
+    `c2jax.models.hf.keys`.
 
     dtype: cast floating tensors ("bfloat16", jnp.bfloat16, torch.bfloat16...); the router correction bias
         stays float32.
@@ -74,12 +75,16 @@ def save_pretrained(
     path.mkdir(parents=True, exist_ok=True)
     dtype = None if dtype is None else dtype_name(dtype)
     cast = None if dtype is None else np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    saved_dtype = dtype or cfg.param_dtype
+    hf = config_to_hf(cfg, dtype=saved_dtype)  # first: a config its family cannot express writes nothing
 
     tensors: dict[str, np.ndarray] = {}
     for leaf_path, variable in nnx.to_flat_state(nnx.state(model)):
         leaf_path = tuple(str(p) for p in leaf_path)
         value = np.asarray(jax.device_get(variable.get_value()))
         prefixes, rel, kind = leaf_keys(cfg, leaf_path)
+        if rel.endswith("e_score_correction_bias") and not cfg.has_router_bias:
+            continue  # the family's checkpoints carry no selection bias (ours stays zero)
         slices = [("", value)] if prefixes is None else list(zip(prefixes, value, strict=True))
         for prefix, part in slices:
             for key, view in save_slice(prefix, rel, kind, part):
@@ -138,8 +143,6 @@ def save_pretrained(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
-    saved_dtype = dtype or cfg.param_dtype
-    hf = config_to_hf(cfg, dtype=saved_dtype)
     if quantization == "fp8":
         hf["quantization_config"] = {
             "activation_scheme": "dynamic",
