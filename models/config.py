@@ -418,13 +418,128 @@ def _medium() -> ModelConfig:
     )
 
 
+def _qwen3_moe(**changes) -> ModelConfig:
+    """Qwen3-MoE's fixed choices: GQA with q/k norms, rotate-half RoPE, softmax top-k over routed experts only,
+    every layer MoE (decoder_sparse_step 1, no mlp_only_layers)."""
+    base = dict(attention_type="gqa", qk_norm=True, rope_interleave=False, n_shared_experts=0, scoring_func="softmax",
+                topk_method="greedy", routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True,
+                first_k_dense_replace=0, num_nextn_predict_layers=0, hf_model_type="qwen3_moe")
+    return ModelConfig(**(base | changes))
+
+
+def _dense_gqa(family: str, **changes) -> ModelConfig:
+    """A dense GQA decoder (Qwen3: q/k norms; Llama: none): every layer dense SwiGLU."""
+    layers = changes["num_hidden_layers"]
+    base = dict(attention_type="gqa", qk_norm=family == "qwen3", rope_interleave=False, first_k_dense_replace=layers,
+                n_shared_experts=0, num_nextn_predict_layers=0, hf_model_type=family)
+    return ModelConfig(**(base | changes))
+
+
+def _qwen3_30b_a3b() -> ModelConfig:
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers of 128 experts (top 8, normalised), GQA 32/4 heads of 128
+    return _qwen3_moe(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      n_routed_experts=128, num_experts_per_tok=8, rope_theta=1e6, max_position_embeddings=40960,
+                      rms_norm_eps=1e-6, dtype="bfloat16", param_dtype="float32", remat_policy="full")
+
+
+def _qwen3_coder_30b_a3b() -> ModelConfig:
+    # Qwen/Qwen3-Coder-30B-A3B-Instruct: the same network as Qwen3-30B-A3B with 256k positions (theta 1e7); the
+    # model of the Composer 2 report's CPT -> RL compute ablation
+    return _qwen3_30b_a3b().replace(rope_theta=1e7, max_position_embeddings=262144)
+
+
+def _qwen3_0_6b() -> ModelConfig:
+    # Qwen/Qwen3-0.6B: dense, 28 layers, GQA 16/8 heads of 128, tied embeddings
+    return _dense_gqa("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                      max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16")
+
+
+def _deepseek_v2_lite() -> ModelConfig:
+    # deepseek-ai/DeepSeek-V2-Lite config.json: MLA without q LoRA, 64 experts (top 6, softmax, not renormalised)
+    # + 2 shared, YaRN x40 with mscale 0.707
+    return ModelConfig(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, scoring_func="softmax",
+        topk_method="greedy", first_k_dense_replace=1, rope_theta=10000.0,
+        rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                                 mscale=0.707, mscale_all_dim=0.707),
+        max_position_embeddings=163840, rms_norm_eps=1e-6, num_nextn_predict_layers=0, hf_model_type="deepseek_v2",
+        dtype="bfloat16", param_dtype="float32", remat_policy="full",
+    )
+
+
+def _moonlight_16b_a3b() -> ModelConfig:
+    # moonshotai/Moonlight-16B-A3B config.json (model_type deepseek_v3, DeepseekV3ForCausalLM): V2-Lite's shape with
+    # V3's sigmoid router and selection bias, Kimi's vocabulary, theta 50000, no MTP
+    return ModelConfig(
+        vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True, scoring_func="sigmoid",
+        first_k_dense_replace=1, rope_theta=50000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        num_nextn_predict_layers=0, dtype="bfloat16", param_dtype="float32", remat_policy="full",
+    )
+
+
+# small presets of each family for CPU tests and benchmarks (the `tiny` / `small` of DeepSeek-V3 above)
+def _tiny_qwen3_moe() -> ModelConfig:
+    return _qwen3_moe(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, rope_theta=1e6,
+                      max_position_embeddings=256)
+
+
+def _small_qwen3_moe() -> ModelConfig:
+    # beside `small` (DeepSeek-V3-shaped, ~30M) in the benchmarks: the same width, depth and expert count
+    return _qwen3_moe(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      n_routed_experts=16, num_experts_per_tok=4, first_k_dense_replace=1, rope_theta=1e6,
+                      max_position_embeddings=4096)
+
+
+def _tiny_qwen3() -> ModelConfig:
+    return _dense_gqa("qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=12, rope_theta=1e6,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def _tiny_llama() -> ModelConfig:
+    return _dense_gqa("llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                      rope_scaling=RopeScaling(type="llama3", factor=8.0, original_max_position_embeddings=64),
+                      max_position_embeddings=256)
+
+
+def _tiny_deepseek_v2() -> ModelConfig:
+    return _tiny().replace(scoring_func="softmax", topk_method="group_limited_greedy", norm_topk_prob=False,
+                           routed_scaling_factor=1.0, n_shared_experts=2, num_nextn_predict_layers=0,
+                           hf_model_type="deepseek_v2")
+
+
 PRESETS = {
     "kimi-k2.5": _kimi_k25,
     "deepseek-v3": _deepseek_v3,
     "tiny": _tiny,
     "small": _small,
     "medium": _medium,
+    "qwen3-30b-a3b": _qwen3_30b_a3b,
+    "qwen3-coder-30b-a3b": _qwen3_coder_30b_a3b,
+    "qwen3-0.6b": _qwen3_0_6b,
+    "deepseek-v2-lite": _deepseek_v2_lite,
+    "moonlight-16b-a3b": _moonlight_16b_a3b,
+    "tiny-qwen3-moe": _tiny_qwen3_moe,
+    "small-qwen3-moe": _small_qwen3_moe,
+    "tiny-qwen3": _tiny_qwen3,
+    "tiny-llama": _tiny_llama,
+    "tiny-deepseek-v2": _tiny_deepseek_v2,
 }
+# the small presets of each family, for tests parametrised over families
+FAMILY_TINY_PRESETS = {"deepseek_v3": "tiny", "qwen3_moe": "tiny-qwen3-moe", "qwen3": "tiny-qwen3",
+                       "llama": "tiny-llama", "deepseek_v2": "tiny-deepseek-v2"}
 
 
 def preset(name: str) -> ModelConfig:
@@ -434,4 +549,4 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
 
 
-__all__ = ["ConfigError", "ModelConfig", "RopeScaling", "PRESETS", "preset", "yarn_mscale"]
+__all__ = ["ConfigError", "FAMILY_TINY_PRESETS", "ModelConfig", "RopeScaling", "PRESETS", "preset", "yarn_mscale"]

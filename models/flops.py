@@ -39,7 +39,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layers: int) -> float:
     """Forward FLOPs of q.k and p.v per token under a causal mask: on average (S + 1) / 2 keys."""
     keys = (seq_len + 1) / 2
-    per_layer = 2 * keys * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    per_layer = 2 * keys * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.value_head_dim)
     return per_layer * layers
 
 

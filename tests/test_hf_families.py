@@ -224,3 +224,35 @@ def test_inexpressible_qwen3_moe_layouts_name_the_field(changes, field):
 def test_llama_biases_are_refused():
     with pytest.raises(ConfigError, match="mlp_bias"):
         config_from_hf({"model_type": "llama", **_LLAMA, "mlp_bias": True})
+
+
+# every full-size preset and the small presets of each family
+COUNTED_PRESETS = ["qwen3-30b-a3b", "qwen3-coder-30b-a3b", "qwen3-0.6b", "deepseek-v2-lite", "moonlight-16b-a3b",
+                   "deepseek-v3", "kimi-k2.5", "tiny-qwen3-moe", "small-qwen3-moe", "tiny-qwen3", "tiny-llama",
+                   "tiny-deepseek-v2", "tiny", "small"]
+
+
+@pytest.mark.parametrize("name", COUNTED_PRESETS)
+def test_preset_counts_equal_transformers_meta_device_count(name):
+    """c2jax's abstract count (what `c2jax info` reports) equals the parameter count of transformers' own model of
+    the exported config.json, built on the meta device: total exactly, activated (routed experts at top-k / E)
+    within rounding. transformers builds no MTP modules, so those are left out of the comparison."""
+    from c2jax.models.config import preset
+    from c2jax.models.flops import param_counts
+    from c2jax.models.hf import config_to_hf
+
+    cfg = preset(name)
+    hf = config_to_hf(cfg)
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    total = routed = 0
+    for key, p in model.named_parameters():  # tied weights are listed once
+        total += p.numel()
+        if ".mlp.experts." in key:
+            routed += p.numel()
+    ours = param_counts(cfg.replace(num_nextn_predict_layers=0))
+    assert ours.total == total and param_counts(cfg).total == total + param_counts(cfg).mtp
+    active = total - routed + routed * cfg.num_experts_per_tok / cfg.n_routed_experts
+    assert abs(ours.active - active) <= cfg.num_hidden_layers
+    assert type(model).__name__ == hf["architectures"][0]
