@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from c2jax.models.config import preset
+from c2jax.models.config import FAMILY_TINY_PRESETS, preset
 from c2jax.models.inference import (
     ContextWindowExceeded,
     EngineConfig,
@@ -314,3 +314,50 @@ def test_chunked_prefill_equals_one_shot(model, speculative_k):
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
         np.testing.assert_array_equal(g.prompt_expert_ids, w.prompt_expert_ids)
     assert chunked.prefill_stats["calls"] == 6 and chunked.prefill_stats["tokens"] == 4 + 19
+
+
+OTHER_FAMILIES = [name for family, name in FAMILY_TINY_PRESETS.items() if family != "deepseek_v3"]
+
+
+@pytest.mark.parametrize("name", OTHER_FAMILIES)
+def test_every_family_decodes_from_its_cache_as_the_trainer(name):
+    """Each family's small preset (Qwen3-MoE, Qwen3, Llama: GQA K/V caches; DeepSeek-V2: MLA latents): prefill +
+    one-token decode over the cache reproduces the trainer's full-sequence logits, through both decode paths."""
+    cfg = preset(name)
+    graphdef, state = nnx.split(init(cfg, seed=0))
+    ids = jax.random.randint(jax.random.key(4), (2, SEQ), 0, cfg.vocab_size)
+    full = _full_logits(cfg, graphdef, state, ids)
+    for absorbed in (True, False):
+        assert _rel(_cached_logits(cfg, graphdef, state, ids, absorbed=absorbed), full) <= 1e-5, absorbed
+
+
+@pytest.mark.parametrize("name", OTHER_FAMILIES)
+def test_every_family_samples_with_the_trainers_logprobs_and_experts(name):
+    """The engine (continuous batching over 2 slots, shared-prefix caching) on each family: sampled-token logprobs
+    equal the trainer's, MoE families record the trainer's experts for router replay, and batched generation equals
+    one request at a time."""
+    cfg = preset(name)
+    graphdef, state = nnx.split(init(cfg, seed=1))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, size=int(rng.integers(2, 9))).tolist() for _ in range(3)]
+    reqs = [Request(p, 8, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
+    results = InferenceEngine(cfg, graphdef, state, config=ENGINE).generate(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        seq = list(req.prompt_ids) + res.token_ids
+        padded = jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32)
+        out = forward(graphdef, state, padded, return_mtp=False)
+        logits = out.logits[0, len(req.prompt_ids) - 1: len(seq) - 1]
+        want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits / 0.8)), np.asarray(res.token_ids)[:, None],
+                                  -1)[:, 0]
+        assert np.mean(np.abs(want - np.asarray(res.logprobs))) < 1e-5
+        if cfg.num_moe_layers:
+            experts = np.asarray(out.expert_ids[:, 0])[:, len(req.prompt_ids) - 1: len(seq) - 1].transpose(1, 0, 2)
+            np.testing.assert_array_equal(np.sort(res.expert_ids, -1), np.sort(experts, -1))
+    one_by_one = [InferenceEngine(cfg, graphdef, state, config=ENGINE).generate([r])[0] for r in reqs]
+    assert [r.token_ids for r in results] == [r.token_ids for r in one_by_one]
+
+
+def test_gqa_cache_holds_only_the_key_value_heads():
+    cache, expanded = cache_bytes_per_token(preset("qwen3-30b-a3b"))
+    # 48 layers x (k + v) x 4 K/V heads x 128 dims x bf16, against one K/V head per query head (32)
+    assert cache == 48 * 2 * 4 * 128 * 2 and expanded == 48 * 32 * 256 * 2

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
-from c2jax.models.inference.forward import init_cache, init_mtp_cache, unstack
+from c2jax.models.inference.forward import cache_slots, init_cache, init_mtp_cache, unstack
 from c2jax.models.inference.sampling import SamplingParams, sample
 from c2jax.models.inference.spec_policy import SpeculationPolicy
 from c2jax.models.inference.speculative import (
@@ -274,7 +274,7 @@ class InferenceEngine:
         bucket = _pow2_at_least(max(len(r.tokens) for r in rows), self.config.min_prompt_bucket)
         tokens = np.zeros((b, bucket), np.int32)
         n_valid, start = np.ones(b, np.int32), np.zeros(b, np.int32)
-        slot = np.full(b, cache[0].latent.shape[0], np.int32)  # out of range: a padding row's writes drop
+        slot = np.full(b, cache_slots(cache), np.int32)  # out of range: a padding row's writes drop
         next_token = np.full(b, -1, np.int32)
         for i, r in enumerate(rows):
             tokens[i, : len(r.tokens)] = r.tokens

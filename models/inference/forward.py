@@ -1,4 +1,6 @@
-"""Cached forward pass of the MLA/MoE transformer: pure functions of the NNX state and a latent KV cache.
+"""Cached forward pass of the transformer: pure functions of the NNX state and a KV cache. MLA layers cache latents
+(below); GQA layers (ModelConfig.attention_type "gqa") cache their RoPE'd keys and values, num_key_value_heads per
+token (`KVCache`), and decode reads them with a grouped einsum (no per-query-head copies).
 
 The cache holds, per layer and per slot, what MLA attention needs from past tokens (DeepSeek-V2 sec. 2.1):
   latent [slots, S, kv_lora_rank]      c_s = RMSNorm(W_kva x_s)[:kv_lora_rank]
@@ -33,26 +35,48 @@ _NEG_INF = -1e30  # same finite mask value as c2jax.models.dense_attention
 
 
 class LayerCache(NamedTuple):
+    """An MLA layer's cache."""
+
     latent: jnp.ndarray  # [slots, S, kv_lora_rank]
     k_rope: jnp.ndarray  # [slots, S, qk_rope_head_dim]
 
 
-def init_cache(cfg: ModelConfig, slots: int, max_len: int) -> tuple[LayerCache, ...]:
-    """Zeroed latent cache, one LayerCache per decoder layer (dense layers first, then MoE layers)."""
+class KVCache(NamedTuple):
+    """A GQA layer's cache: keys after RoPE (and Qwen3's k norm) and values."""
+
+    k: jnp.ndarray  # [slots, S, num_key_value_heads, head_dim]
+    v: jnp.ndarray  # [slots, S, num_key_value_heads, head_dim]
+
+
+def _zeroed_layer_cache(cfg: ModelConfig, slots: int, max_len: int) -> LayerCache | KVCache:
     dtype = jnp.dtype(cfg.dtype)
-    return tuple(
-        LayerCache(jnp.zeros((slots, max_len, cfg.kv_lora_rank), dtype),
-                   jnp.zeros((slots, max_len, cfg.qk_rope_head_dim), dtype))
-        for _ in range(cfg.num_hidden_layers)
-    )
+    if cfg.attention_type == "gqa":
+        shape = (slots, max_len, cfg.kv_heads, cfg.gqa_head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return LayerCache(jnp.zeros((slots, max_len, cfg.kv_lora_rank), dtype),
+                      jnp.zeros((slots, max_len, cfg.qk_rope_head_dim), dtype))
+
+
+def init_cache(cfg: ModelConfig, slots: int, max_len: int) -> tuple[LayerCache | KVCache, ...]:
+    """Zeroed cache, one entry per decoder layer (dense layers first, then MoE layers)."""
+    return tuple(_zeroed_layer_cache(cfg, slots, max_len) for _ in range(cfg.num_hidden_layers))
+
+
+def cache_slots(cache) -> int:
+    """The number of slots a cache (init_cache's tuple) holds."""
+    return cache[0][0].shape[0]
 
 
 def cache_bytes_per_token(cfg: ModelConfig) -> tuple[int, int]:
-    """(latent cache, expanded per-head K/V cache) bytes per token over all layers."""
+    """(this model's cache, an expanded per-query-head K/V cache) bytes per token over all layers: MLA's latent vs
+    its per-head K/V, GQA's num_key_value_heads K/V vs one K/V head per query head."""
     item = jnp.dtype(cfg.dtype).itemsize
-    latent = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
-    expanded = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
-    return latent, expanded
+    if cfg.attention_type == "gqa":
+        cache = cfg.num_hidden_layers * 2 * cfg.kv_heads * cfg.gqa_head_dim * item
+    else:
+        cache = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    expanded = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.value_head_dim) * item
+    return cache, expanded
 
 
 def _layers(model):
@@ -68,18 +92,46 @@ def _layers(model):
     return out
 
 
-def _write(attn, x, cos, sin, cache: LayerCache, slot_idx, positions) -> LayerCache:
-    """Write the cache entries (latent, shared RoPE key) of inputs x [b, T, d] at `positions` [b, T] of rows
-    `slot_idx` [b] (None: row i is slot i). Writes past the cache end are dropped."""
-    latent, k_rope = attn.latents(x, cos, sin)
+def _write(attn, x, cos, sin, cache, slot_idx, positions):
+    """Write the cache entries of inputs x [b, T, d] (MLA: latent and shared RoPE key; GQA: keys and values) at
+    `positions` [b, T] of rows `slot_idx` [b] (None: row i is slot i). Writes past the cache end are dropped."""
+    entry = attn.kv_entry(x, cos, sin)
     rows = (jnp.arange(x.shape[0]) if slot_idx is None else slot_idx)[:, None]
-    return LayerCache(cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype), mode="drop"),
-                      cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype), mode="drop"))
+    return type(cache)(*(c.at[rows, positions].set(e.astype(c.dtype), mode="drop")
+                         for c, e in zip(cache, entry, strict=True)))
 
 
-def _attend(cfg: ModelConfig, attn, x, cos, sin, cache: LayerCache, slot_idx, positions, key_len: int,
-            absorbed: bool):
-    """MLA over the cache for queries at `positions` [b, T]; writes this step's latents first."""
+def _attend_gqa(cfg: ModelConfig, attn, x, cos, sin, cache: KVCache, slot_idx, positions, key_len: int,
+                absorbed: bool):
+    """GQA over the cache for queries at `positions` [b, T]; writes this step's keys and values first. Decode
+    (`absorbed`) groups the query heads over their K/V head in one einsum, reading each cached K/V once; prefill
+    goes through the attention registry like the trainer."""
+    q = attn.roped_queries(x, cos, sin)  # [b, T, H, D]
+    cache = _write(attn, x, cos, sin, cache, slot_idx, positions)
+    if slot_idx is None:
+        k, v = cache.k[:, :key_len], cache.v[:, :key_len]
+    else:
+        k, v = cache.k[slot_idx, :key_len], cache.v[slot_idx, :key_len]
+    k, v = k.astype(x.dtype), v.astype(x.dtype)  # [b, K, Hkv, D]
+    if absorbed:
+        b, t, heads, dim = q.shape
+        groups = heads // cfg.kv_heads
+        qg = q.reshape(b, t, cfg.kv_heads, groups, dim) * jnp.asarray(cfg.softmax_scale, x.dtype)
+        scores = jnp.einsum("btjgd,bkjd->bjgtk", qg, k, preferred_element_type=jnp.float32)
+        visible = jnp.arange(key_len)[None, None, :] <= positions[:, :, None]  # [b, T, K]
+        scores = scores + jnp.where(visible, jnp.float32(0), jnp.float32(_NEG_INF))[:, None, None]
+        p = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bjgtk,bkjd->btjgd", p, v).reshape(b, t, heads, dim)
+    else:
+        out = attention(q, k, v, scale=cfg.softmax_scale, q_positions=positions, kv_positions=jnp.arange(key_len),
+                        causal=True)
+    return jnp.einsum("bthv,hvd->btd", out, attn.o_proj[...].astype(x.dtype)), cache
+
+
+def _attend(cfg: ModelConfig, attn, x, cos, sin, cache, slot_idx, positions, key_len: int, absorbed: bool):
+    """Attention over the cache for queries at `positions` [b, T]; writes this step's entries first."""
+    if cfg.attention_type == "gqa":
+        return _attend_gqa(cfg, attn, x, cos, sin, cache, slot_idx, positions, key_len, absorbed)
     q = attn.queries(x)
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
@@ -237,14 +289,9 @@ def prepare(graphdef, state) -> Prepared:
     return Prepared(model, _layers(model), _mtp_modules(model))
 
 
-def init_mtp_cache(cfg: ModelConfig, slots: int, max_len: int) -> tuple[LayerCache, ...]:
-    """Zeroed latent cache of the MTP modules' attention, one LayerCache per module."""
-    dtype = jnp.dtype(cfg.dtype)
-    return tuple(
-        LayerCache(jnp.zeros((slots, max_len, cfg.kv_lora_rank), dtype),
-                   jnp.zeros((slots, max_len, cfg.qk_rope_head_dim), dtype))
-        for _ in range(cfg.num_nextn_predict_layers)
-    )
+def init_mtp_cache(cfg: ModelConfig, slots: int, max_len: int) -> tuple[LayerCache | KVCache, ...]:
+    """Zeroed cache of the MTP modules' attention, one entry per module."""
+    return tuple(_zeroed_layer_cache(cfg, slots, max_len) for _ in range(cfg.num_nextn_predict_layers))
 
 
 def _mtp_input(model, module, hidden, tokens):

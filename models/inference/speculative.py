@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
-from c2jax.models.inference.forward import LayerCache, extend, mtp_step, mtp_write, prepare
+from c2jax.models.inference.forward import extend, mtp_step, mtp_write, prepare
 from c2jax.models.inference.sampling import (
     SamplingParams,
     draw,
@@ -244,5 +244,5 @@ def fork_slot_spec(cfg: ModelConfig, graphdef: nnx.GraphDef, state, mtp_cache, s
 @partial(jax.jit, donate_argnames=("mtp_cache",))
 def copy_mtp_row(mtp_cache, src_cache, dst_slot):
     """Copy a one-slot MTP cache into slot dst_slot (prompt caching)."""
-    return tuple(LayerCache(*(dst.at[dst_slot].set(src[0].astype(dst.dtype)) for dst, src in zip(c, s, strict=True)))
+    return tuple(type(c)(*(dst.at[dst_slot].set(src[0].astype(dst.dtype)) for dst, src in zip(c, s, strict=True)))
                  for c, s in zip(mtp_cache, src_cache, strict=True))

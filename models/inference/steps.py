@@ -61,7 +61,7 @@ def copy_slot(cache, src, dst):
 def copy_row(cache, src_cache, dst_slot):
     """Copy the one-slot cache src_cache into slot dst_slot of cache (prompt caching). Positions past the
     prefix come along too; they are never read before a later token overwrites them."""
-    return tuple(LayerCache(*(dst.at[dst_slot].set(src[0].astype(dst.dtype)) for dst, src in zip(c, s, strict=True)))
+    return tuple(type(c)(*(dst.at[dst_slot].set(src[0].astype(dst.dtype)) for dst, src in zip(c, s, strict=True)))
                  for c, s in zip(cache, src_cache, strict=True))
 
 
