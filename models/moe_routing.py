@@ -86,3 +86,28 @@ def _plausible_replay(scores, choice, replay_ids, k: int, ratio: float) -> jnp.n
     match = (~keep)[:, :, None] & free[:, None, :] & (drop_rank[:, :, None] == free_rank[:, None, :])
     backfill = jnp.sum(jnp.where(match, own[:, None, :], 0), axis=-1)
     return jnp.where(keep, replay_ids, backfill)
+
+
+def load_balancing_loss(cfg: ModelConfig, router_logits: jnp.ndarray, expert_ids: jnp.ndarray,
+                        token_mask: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The auxiliary load-balancing loss E * sum_e f_e P_e (Switch Transformer eq. 4; Qwen3-MoE, Mixtral and
+    DeepSeek-V2's expert-level balance loss), pooled over every MoE layer as transformers' load_balancing_loss_func
+    pools them: f_e = top-k assignments to expert e / (layers x tokens), P_e = its mean routing probability.
+    router_logits [L, ..., E], expert_ids [L, ..., k] (ModelOutput's), token_mask [...] (1 = a real token; padding
+    excluded). Probabilities are the softmax of the logits for softmax routers and the sigmoid scores normalised to
+    sum 1 per token for sigmoid ones (DeepSeek-V3's sequence-wise form). The top-k counts carry no gradient; the
+    probabilities carry it to the router."""
+    num_experts = cfg.n_routed_experts
+    logits = router_logits.reshape(router_logits.shape[0], -1, num_experts).astype(jnp.float32)
+    ids = expert_ids.reshape(expert_ids.shape[0], -1, expert_ids.shape[-1])
+    if cfg.scoring_func == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    mask = jnp.ones(logits.shape[1], jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
+    rows = jnp.maximum(mask.sum() * logits.shape[0], 1.0)
+    onehot = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum(-2)  # [L, T, E] assignments per token
+    tokens_per_expert = jax.lax.stop_gradient(jnp.einsum("lte,t->e", onehot, mask)) / rows
+    prob_per_expert = jnp.einsum("lte,t->e", probs, mask) / rows
+    return num_experts * jnp.sum(tokens_per_expert * prob_per_expert)

@@ -28,9 +28,10 @@ class RLBatch(NamedTuple):
     group_rewards: np.ndarray | None = None  # [num_groups, G] float32 (for zero-variance-group metrics)
 
 
-def replay_from_model(expert_ids: np.ndarray) -> np.ndarray:
-    """ModelOutput.expert_ids [L_moe, B, S, k] -> the batch layout [B, S, L_moe, k]."""
-    return np.moveaxis(np.asarray(expert_ids), 0, 2)
+def replay_from_model(expert_ids: np.ndarray | None) -> np.ndarray | None:
+    """ModelOutput.expert_ids [L_moe, B, S, k] -> the batch layout [B, S, L_moe, k] (None for a dense model:
+    nothing to replay)."""
+    return None if expert_ids is None else np.moveaxis(np.asarray(expert_ids), 0, 2)
 
 
 def pack(sequences: Sequence[dict], seq_len: int, num_rows: int | None = None,

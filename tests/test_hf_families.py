@@ -256,3 +256,16 @@ def test_preset_counts_equal_transformers_meta_device_count(name):
     active = total - routed + routed * cfg.num_experts_per_tok / cfg.n_routed_experts
     assert abs(ours.active - active) <= cfg.num_hidden_layers
     assert type(model).__name__ == hf["architectures"][0]
+
+
+def test_a_trained_selection_bias_is_not_dropped_silently(cases, tmp_path):
+    """Qwen3-MoE checkpoints carry no selection bias: a model whose bias moved (router_bias_rate > 0) is refused
+    on export rather than written with different routing."""
+    from c2jax.models.hf import CheckpointError
+
+    model = from_pretrained(cases("qwen3_moe").path)
+    bias = model.moe_layers.mlp.e_score_correction_bias
+    bias[...] = bias[...].at[0, 1].set(0.01)
+    with pytest.raises(CheckpointError, match="no expert selection bias"):
+        save_pretrained(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()

@@ -43,6 +43,9 @@ class LossConfig:
     z_loss: float = 0.0  # weight of PaLM's z-loss, mean over tokens of logsumexp(LM-head logits)^2
     mtp_weight: float = 0.1  # weight of the MTP self-distillation KL
     router_bias_rate: float = 1e-3  # DeepSeek-V3's gamma; 0 disables the bias update
+    # weight of the auxiliary load-balancing loss (models.moe_routing.load_balancing_loss): what Qwen3-MoE
+    # (router_aux_loss_coef 1e-3) and DeepSeek-V2 train with instead of V3's bias; 0 disables it
+    router_aux_loss: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,7 @@ class Trainer:
             loss = self.cfg.loss
             self._steps[key] = make_train_step(
                 graphdef, self.tx, loss.router_bias_rate, z_loss=loss.z_loss, mtp_weight=loss.mtp_weight,
-                train_mtp=train_mtp, state_shardings=self.state_shardings,
+                train_mtp=train_mtp, router_aux_loss=loss.router_aux_loss, state_shardings=self.state_shardings,
                 batch_sharding=self._batch_sharding(phase), donate=True, mesh=self.mesh,
                 rules=activation_rules(self.cfg.mesh) if self.mesh is not None else None)
         return self._steps[key]

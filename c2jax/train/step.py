@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from c2jax.models.layers import loss_chunk_tokens
+from c2jax.models.moe_routing import load_balancing_loss
 from c2jax.models.transformer import Transformer
 from c2jax.train.losses import (
     expert_load_stats,
@@ -103,12 +104,13 @@ def _to_memory(tree, shardings, kind: str):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate: float = 0.0, *,
-                    z_loss: float = 0.0, mtp_weight: float = 0.0, train_mtp: bool = False,
+                    z_loss: float = 0.0, mtp_weight: float = 0.0, train_mtp: bool = False, router_aux_loss: float = 0.0,
                     state_shardings=None, batch_sharding=None, donate: bool = False, mesh=None, rules=None):
     """train_step(state, batch) -> (state, metrics).
 
     loss = sum_t m_t CE_t / sum_t m_t  +  z_loss * sum_t m_t lse_t^2 / sum_t m_t
            + mtp_weight * sum_{j,t} w_jt KL_jt / sum_{j,t} w_jt           (if train_mtp)
+           + router_aux_loss * load-balancing loss                     (MoE models; mean over micro-batches)
 
     All sums run over every micro-batch (a `lax.scan` when the batch is [A, B, S]), so accumulation is
     exact. A step whose loss or gradients are not finite leaves the state unchanged (metrics["skipped"]).
@@ -132,11 +134,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
                 chunk)
         if out.expert_counts is not None:
             sums["counts"] = out.expert_counts.astype(jnp.float32)
+            if router_aux_loss > 0:  # a per-micro-batch statistic (it is not additive over tokens)
+                sums["aux"] = load_balancing_loss(model.cfg, out.router_logits, out.expert_ids,
+                                                  mb["segment_ids"] != 0)
         return sums
 
     def objective(params, model_state, mb, norm):
         sums = sums_fn(params, model_state, mb)
         total = (sums["ce"] + z_loss * sums.get("z", 0.0)) / norm["tokens"]
+        if "aux" in sums:
+            total = total + router_aux_loss * sums["aux"] / norm["micro"]
         if "mtp_kl" in sums:
             total = total + mtp_weight * sums["mtp_kl"] / norm["mtp_w"]
         return total, sums
@@ -144,7 +151,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
     def normalisers(params, micro):
         """Global token and MTP-weight counts: they depend on the data only, so compute them first."""
         tokens = jnp.sum(micro["loss_mask"].astype(jnp.float32))
-        norm = {"tokens": jnp.maximum(tokens, 1.0)}
+        norm = {"tokens": jnp.maximum(tokens, 1.0), "micro": jnp.float32(micro["loss_mask"].shape[0])}
         if train_mtp and "mtp" in params:
             depth = jax.tree.leaves(params["mtp"])[0].shape[0]
             w = sum(jnp.sum(jax.vmap(lambda s, m, k=k: mtp_distill_weights(s, m, k))(
@@ -177,6 +184,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, router_bias_rate
         metrics = {"ce_loss": ce, "tokens": sums["tokens"], "grad_norm": optax.tree.norm(grads)}
         if z_loss > 0:
             metrics["z_loss"] = sums["z"] / norm["tokens"]
+        if "aux" in sums:
+            metrics["router_aux_loss"] = sums["aux"] / norm["micro"]
+            loss = loss + router_aux_loss * metrics["router_aux_loss"]
         if "mtp_kl" in sums:
             metrics["mtp_loss"] = sums["mtp_kl"] / norm["mtp_w"]
             metrics["mtp_acceptance"] = sums["mtp_agree"] / norm["mtp_w"]

@@ -19,6 +19,7 @@ from flax import nnx
 
 from c2jax.models.config import ModelConfig, dtype_name
 from c2jax.models.hf.config import config_to_hf
+from c2jax.models.hf.errors import CheckpointError
 from c2jax.models.hf.fp8 import FP8_BLOCK, quantize_fp8_block
 from c2jax.models.hf.keys import leaf_keys, save_slice
 from c2jax.models.hf.safetensors_io import write_safetensors
@@ -84,6 +85,12 @@ def save_pretrained(
         value = np.asarray(jax.device_get(variable.get_value()))
         prefixes, rel, kind = leaf_keys(cfg, leaf_path)
         if rel.endswith("e_score_correction_bias") and not cfg.has_router_bias:
+            if np.any(value != 0):  # trained with router_bias_rate > 0: dropping it would change the routing
+                raise CheckpointError(
+                    f"{cfg.hf_model_type} checkpoints have no expert selection bias, but this model's is nonzero "
+                    f"(max |b| {float(np.abs(value).max()):.3g}; trained with router_bias_rate > 0?): exporting would "
+                    "change its routing. Train this family with loss.router_bias_rate 0 (and router_aux_loss), or "
+                    "export as deepseek_v3")
             continue  # the family's checkpoints carry no selection bias (ours stays zero)
         slices = [("", value)] if prefixes is None else list(zip(prefixes, value, strict=True))
         for prefix, part in slices:
