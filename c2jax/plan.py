@@ -154,10 +154,14 @@ def _state_bytes(model: ModelConfig, sizes: dict[str, int], rules) -> tuple[floa
 def _layer_residuals(model: ModelConfig, tokens: int, kv_tokens: int, moe: bool, ep: int, act: int) -> float:
     """Bytes a layer keeps for its backward over `tokens` tokens (attention over `kv_tokens` keys)."""
     d, h = model.hidden_size, model.num_attention_heads
-    qk, v = model.qk_head_dim, model.v_head_dim
-    attention = tokens * (h * qk + h * v + h + (model.q_lora_rank or 0)
-                          + model.kv_lora_rank + model.qk_rope_head_dim + 3 * d) * act
-    attention += kv_tokens * h * (qk + v) * act  # K and V (gathered over the sequence under CP)
+    qk, v = model.qk_head_dim, model.value_head_dim
+    if model.attention_type == "gqa":  # q, its output and softmax statistics; K/V once per K/V head
+        attention = tokens * (h * qk + h * v + h + 3 * d) * act
+        attention += kv_tokens * model.kv_heads * (qk + v) * act
+    else:  # MLA: the latent and the shared RoPE key, then per-head K and V
+        attention = tokens * (h * qk + h * v + h + (model.q_lora_rank or 0)
+                              + model.kv_lora_rank + model.qk_rope_head_dim + 3 * d) * act
+        attention += kv_tokens * h * (qk + v) * act  # K and V (gathered over the sequence under CP)
     if not moe:
         return attention + tokens * (3 * model.intermediate_size + 2 * d) * act
     k, f = model.num_experts_per_tok, model.moe_intermediate_size
@@ -195,12 +199,12 @@ def plan(model: ModelConfig, mesh: MeshConfig, seq_len: int, global_batch: int, 
     tokens = b_local * s_local
     kv_tokens = b_local * seq_len if cp > 1 else tokens
     d, ep = model.hidden_size, sizes["expert"]
-    num_moe = max(model.num_hidden_layers - model.first_k_dense_replace, 0) if model.n_routed_experts else 0
+    num_moe = model.num_moe_layers
     num_dense = model.num_hidden_layers - num_moe
     num_mtp = model.num_nextn_predict_layers
     dense_res = _layer_residuals(model, tokens, kv_tokens, False, ep, act)
     moe_res = _layer_residuals(model, tokens, kv_tokens, True, ep, act) if num_moe else 0.0
-    mtp_res = moe_res if model.n_routed_experts else dense_res
+    mtp_res = _layer_residuals(model, tokens, kv_tokens, True, ep, act) if num_mtp else 0.0  # MTP blocks are MoE
     layers = num_dense + num_moe + num_mtp
     notes = []
     if model.remat_policy == "full":
@@ -209,13 +213,13 @@ def plan(model: ModelConfig, mesh: MeshConfig, seq_len: int, global_batch: int, 
         # full, plus the blockwise kernel's output [T, H, Dv] and fp32 log-sum-exp [T, H] per layer (an upper
         # bound where the backend is dense or cuDNN, which keep nothing extra under this policy)
         heads = model.num_attention_heads
-        saved = layers * tokens * (d * act + heads * model.v_head_dim * act + heads * 4)
+        saved = layers * tokens * (d * act + heads * model.value_head_dim * act + heads * 4)
     else:
         saved = num_dense * dense_res + num_moe * moe_res + num_mtp * mtp_res
         if model.remat_policy != "none":
             notes.append(f"remat_policy {model.remat_policy!r} planned as 'none' (an upper bound)")
     working = 2 * max(dense_res, moe_res)
-    if model.n_routed_experts:
+    if num_moe or num_mtp:
         k, f = model.num_experts_per_tok, model.moe_intermediate_size
         chunk = min(tokens, model.moe_chunk_tokens or tokens)
         buffers = 6 * MOE_CAPACITY * chunk * k * max(2 * f, d) * act

@@ -372,6 +372,32 @@ def test_real_learner_and_engine_learn_the_target_task_async_and_sync(ray_local,
     assert float(np.mean(hits)) > 0.3, hits
 
 
+@pytest.mark.parametrize("family, preset_name", [("qwen3_moe", "tiny-qwen3-moe"), ("llama", "tiny-llama")])
+def test_async_system_runs_every_family(ray_local, tmp_path, family, preset_name):
+    """The asynchronous system (engine samplers with weight swaps, the learner actor, checkpoints) on the other
+    families: Qwen3-MoE (GQA K/V cache, softmax router, router replay) and a dense Llama (no experts to replay).
+    Step 1 trains on its own weights' samples: the learner reproduces the sampler's logprobs."""
+    from c2jax.rl.system.reconciler import run_system
+
+    overrides = [o for o in TINY if not o.startswith(("model.preset=", "model.n_group", "model.topk_group"))]
+    cfg = load(RLSystemConfig, None, [f"model.preset={preset_name}", *overrides, f"output_dir={tmp_path}",
+                                      f"name={family}", "system.steps=3"])
+    assert cfg.model.hf_model_type == family and cfg.router_replay == (family == "qwen3_moe")
+    out = run_system(cfg)
+    assert out["version"] == 3 and out["worker_synced_versions"] == [3]
+    first = out["history"][0]
+    assert first["staleness/max"] == 0 and first["mismatch/abs_p99"] < 1e-3, first["mismatch/abs_p99"]
+    if family == "qwen3_moe":
+        assert first["replay/override_fraction"] == 0.0
+    assert (cfg.run_dir / "checkpoints" / "2").is_dir()
+    # `c2jax eval --agent checkpoint` serves the run's newest checkpoint of this family
+    from c2jax.rl.eval.agents import load_checkpoint_engine
+
+    engine, _, version = load_checkpoint_engine(cfg.run_dir)
+    assert version == 3 and engine.cfg.hf_model_type == family
+    assert len(engine.generate_tokens([1, 2], max_new_tokens=3, stop_token_ids=[], seed=0).token_ids) == 3
+
+
 def test_router_replay_switch():
     base = ["model.preset=tiny", "model.num_hidden_layers=2"]
     assert load(RLSystemConfig, None, base).router_replay  # on by default for an MoE model
