@@ -445,3 +445,46 @@ def test_optimizer_offload_trains_the_same_and_resumes(tmp_path):
     assert _losses(tmp_path / "host") == pytest.approx(_losses(tmp_path / "device"), rel=1e-6)
     for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(on_device.state.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_cpt_of_a_qwen3_moe_checkpoint_on_an_ep_mesh_resumes_and_exports_to_transformers(tmp_path):
+    """Continued pretraining of the report's ablation family: a Qwen3-MoE checkpoint built by transformers, trained
+    on a 2 x 2 (fsdp x expert) mesh with the family's load-balancing loss (no selection bias), stopped after 2 steps
+    and resumed to 3 from its checkpoint; the export is a Qwen3MoeForCausalLM whose logits transformers reproduces."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from c2jax.models import hf
+
+    model_cfg = preset("tiny-qwen3-moe").replace(vocab_size=64, moe_impl="dense")
+    hf_cfg = hf.config_to_hf(model_cfg)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+
+    def config_for(steps):
+        return run_config(tmp_path, "qwen3", model=dict(model_cfg.__dict__), init_from_hf=str(tmp_path / "base"),
+                          mesh=dict(fsdp=2, expert=2), phases=[dict(name="cpt", steps=steps, seq_len=16, batch_size=4)],
+                          loss=dict(router_aux_loss=1e-2, router_bias_rate=0.0), checkpoint=dict(every=1, keep_last=2),
+                          export_hf=True)
+
+    for steps in (2, 3):
+        trainer = Trainer(config_for(steps), batches=markov_batches, eval_sources=None, tensorboard=False)
+        try:
+            out = trainer.run()
+        finally:
+            trainer.close()
+        assert out["step"] == steps and trainer.ckpt.steps()[-1] == steps
+    rows = [json.loads(x) for x in (tmp_path / "qwen3" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]  # the second run resumed at step 3, it did not start over
+    assert all(np.isfinite(r["router_aux_loss"]) and r["router_aux_loss"] > 0 for r in train)
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3" / "hf", dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    ids = np.arange(12, dtype=np.int64)[None] % 64
+    with torch.no_grad():
+        want = exported(torch.from_numpy(ids)).logits.numpy()
+    ours = hf.from_pretrained(tmp_path / "qwen3" / "hf")
+    got = np.asarray(forward(*nnx.split(ours), ids).logits)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
