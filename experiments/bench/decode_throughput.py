@@ -1,10 +1,12 @@
 """Decode throughput and time-to-first-token: c2jax InferenceEngine vs HF transformers `generate`.
 
-Same model (the `small` preset, random weights, converted to DeepseekV3ForCausalLM through c2jax.models.hf), same
-machine, same shapes: batch B of prompts of P tokens, N new tokens each, greedy, no early stop.
+Same model (the `small` and `small-qwen3-moe` presets, random weights, converted through c2jax.models.hf to
+transformers' class of the family: DeepseekV3ForCausalLM, Qwen3MoeForCausalLM), same machine, same shapes: batch B
+of prompts of P tokens, N new tokens each, greedy, no early stop.
   ttft_s      wall time until every sequence of the batch has its first token (prefill of the batch)
   tokens/s    B * N / (wall time of the whole generation)
-Also the cache bytes per token: latent (kv_lora_rank + qk_rope_head_dim per layer) vs expanded per-head K/V.
+Also the cache bytes per token: MLA's latent (kv_lora_rank + qk_rope_head_dim per layer) or GQA's K/V heads, vs
+one K/V per query head.
 Compilation is excluded (one warm-up generation per shape). Writes runs/bench/decode_throughput.json.
 
 Roofline, per batch size (steady-state decode: every slot live, no prefill in the timed chunks):
@@ -20,7 +22,8 @@ Roofline, per batch size (steady-state decode: every slot live, no prefill in th
   host %        the engine's decode_stats: 1 - (time waiting for the device's chunk outputs) / (wall time of the
                 decode calls), i.e. building inputs, dispatch and recording tokens, while the device idles
 
-  .venv/bin/python experiments/bench/decode_throughput.py [--batches 1 8 32] [--prompt 64] [--new 64] [--repeats 3]
+  .venv/bin/python experiments/bench/decode_throughput.py [--preset small,small-qwen3-moe] [--batches 1 8 32]
+      [--prompt 64] [--new 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -80,12 +83,16 @@ def gemm_peak() -> float:
 
 
 def decode_flops_per_token(cfg, key_len: int) -> float:
-    """Useful FLOPs of one decode token: projections, absorbed MLA over key_len positions, dense MLP, router,
-    the chosen + shared experts, the LM head (multiply-adds x 2)."""
+    """Useful FLOPs of one decode token: projections, attention over key_len positions (absorbed MLA, or GQA over
+    its K/V heads), dense MLP, router, the chosen + shared experts, the LM head (multiply-adds x 2)."""
     d, h, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
-    q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * (dn + dr) if cfg.q_lora_rank else d * h * (dn + dr)
-    attn = q + d * (r + dr) + h * dn * r + h * (r + dr) * key_len + h * key_len * r + h * r * dv + h * dv * d
+    if cfg.attention_type == "gqa":
+        hd, kv = cfg.gqa_head_dim, cfg.kv_heads
+        attn = d * h * hd + 2 * d * kv * hd + 2 * h * hd * key_len + h * hd * d
+    else:
+        q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * (dn + dr) if cfg.q_lora_rank else d * h * (dn + dr)
+        attn = q + d * (r + dr) + h * dn * r + h * (r + dr) * key_len + h * key_len * r + h * r * dv + h * dv * d
     expert = 3 * d * cfg.moe_intermediate_size
     moe = d * cfg.n_routed_experts + (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
     dense_mlp = 3 * d * cfg.intermediate_size
@@ -149,13 +156,13 @@ def decode_roofline(model, prompts, new_tokens, chunk_steps, peak_flops):
     host_share = 1.0 - spent["device_wait_s"] / spent["wall_s"]
     # distinct routed experts per MoE layer and decode step (token j >= 1 of every result came from a decode step)
     experts = np.stack([r.expert_ids[1:] for r in results], axis=1)  # [steps, batch, L_moe, k]
+    item = np.dtype(cfg.dtype).itemsize
     distinct = np.array([[len(np.unique(experts[j, :, layer])) for layer in range(experts.shape[2])]
                          for j in range(experts.shape[0])]).mean(axis=0)  # [L_moe]
     # what the engine reads: its per-layer weights and the [V, d] head
     fixed, per_expert = weight_bytes(unstack(engine.graphdef, engine.state)[1])
-    item = np.dtype(cfg.dtype).itemsize
     key_len = float(np.mean(key_lens))
-    cache_read = cfg.num_hidden_layers * batch * key_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    cache_read = batch * key_len * cache_bytes_per_token(cfg)[0]
     routed = float(np.dot(distinct, per_expert))
     step_bytes = fixed + batch * cfg.hidden_size * item + routed + cache_read
     flops = batch * decode_flops_per_token(cfg, int(round(key_len)))
@@ -194,15 +201,16 @@ def engine_runner(model, prompts, new_tokens, chunk_steps):
 
 
 def hf_runner(model, prompts, new_tokens):
-    """The same for HF transformers' DeepseekV3ForCausalLM.generate on the converted weights."""
+    """The same for HF transformers' own class of the family (DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, ...)
+    .generate on the converted weights."""
     import torch
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from c2jax.models.hf import save_pretrained
 
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
-        hf = DeepseekV3ForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     ids = torch.tensor(np.asarray(prompts), dtype=torch.long)
     mask = torch.ones_like(ids)
 
@@ -252,6 +260,7 @@ def paired(model, prompts, new_tokens, chunk_steps, repeats: int, skip_hf: bool)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small,small-qwen3-moe", help="comma-separated presets")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
@@ -263,43 +272,47 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     machine = describe()
 
-    cfg = preset("small").replace(num_nextn_predict_layers=0)  # MTP is not used for decoding
-    model = init(cfg, seed=0)
-    rng = np.random.default_rng(0)
-    latent, expanded = cache_bytes_per_token(cfg)
-    rows, roofline = [], []
+    rows, roofline, caches = [], [], {}
     peak = None if args.skip_roofline else gemm_peak()
-    for batch in args.batches:
-        prompts = rng.integers(1, cfg.vocab_size, size=(batch, args.prompt)).tolist()
-        ours, hf, speedup, ttft_ratio = paired(model, prompts, args.new, args.chunk_steps, args.repeats, args.skip_hf)
-        rows.append({"batch": batch, "c2jax": ours, "hf": hf, "speedup": speedup, "ttft_ratio": ttft_ratio})
-        print(f"batch {batch}: c2jax {ours['tokens_per_s']:.1f} tok/s ttft {ours['ttft_s']:.3f} s; "
-              f"speedup {speedup} ttft ratio {ttft_ratio}", flush=True)
-        if peak is not None:
-            roofline.append(decode_roofline(model, prompts, args.new, args.chunk_steps, peak))
+    for name in args.preset.split(","):
+        cfg = preset(name).replace(num_nextn_predict_layers=0)  # MTP is not used for decoding
+        model = init(cfg, seed=0)
+        rng = np.random.default_rng(0)
+        caches[name] = dict(zip(("cache", "expanded_kv"), cache_bytes_per_token(cfg), strict=True))
+        for batch in args.batches:
+            prompts = rng.integers(1, cfg.vocab_size, size=(batch, args.prompt)).tolist()
+            ours, hf, speedup, ttft_ratio = paired(model, prompts, args.new, args.chunk_steps, args.repeats,
+                                                   args.skip_hf)
+            rows.append({"preset": name, "batch": batch, "c2jax": ours, "hf": hf, "speedup": speedup,
+                         "ttft_ratio": ttft_ratio})
+            print(f"{name} batch {batch}: c2jax {ours['tokens_per_s']:.1f} tok/s ttft {ours['ttft_s']:.3f} s; "
+                  f"speedup {speedup} ttft ratio {ttft_ratio}", flush=True)
+            if peak is not None:
+                roofline.append({"preset": name, **decode_roofline(model, prompts, args.new, args.chunk_steps,
+                                                                   peak)})
 
     notes = []
     if roofline:
         notes.append("\n" + render_table(roofline, [
-            "batch", ("step_ms", "step ms", ".2f"), Col("bytes_per_step", "MB/step", ".1f", scale=1e-6),
+            "preset", "batch", ("step_ms", "step ms", ".2f"), Col("bytes_per_step", "MB/step", ".1f", scale=1e-6),
             ("achieved_gb_s", "GB/s", ".1f"), ("bandwidth.roofline_gb_s", "roof GB/s", ".1f"), ("mbu", "MBU", ".0%"),
             ("achieved_gflop_s", "GFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
             Col("host_fraction", "host %", ".1f", scale=100),
             Col("distinct_experts_per_layer", "distinct experts/layer", lambda xs: " ".join(f"{x:.1f}" for x in xs))],
             title=f"decode roofline (steady state; fp32 GEMM peak measured {peak / 1e9:.0f} GFLOP/s)"))
-    notes.append(f"cache bytes/token (fp32, all layers): latent {latent}, expanded K/V {expanded} "
-                 f"({expanded / latent:.1f}x larger)")
+    for name, c in caches.items():
+        notes.append(f"{name}: cache bytes/token (fp32, all layers) {c['cache']}, one K/V per query head "
+                     f"{c['expanded_kv']} ({c['expanded_kv'] / c['cache']:.1f}x larger)")
     print()
     write_results(args.out, rows, columns=[
-        "batch", ("c2jax.tokens_per_s", "c2jax tok/s", ".1f"), ("c2jax.ttft_s", "ttft s", ".3f"),
+        "preset", "batch", ("c2jax.tokens_per_s", "c2jax tok/s", ".1f"), ("c2jax.ttft_s", "ttft s", ".3f"),
         ("hf.tokens_per_s", "HF tok/s", ".1f"), ("hf.ttft_s", "ttft s", ".3f"), ("speedup", "speedup", "{:.2f}x"),
         ("ttft_ratio", "ttft/HF", "{:.2f}x")],
-        title=f"small preset, prompt {args.prompt}, new {args.new}, fp32, {jax.devices()[0].platform}; medians "
+        title=f"prompt {args.prompt}, new {args.new}, fp32, {jax.devices()[0].platform}; medians "
               f"of {args.repeats} alternated runs; ratios are medians of the per-pair ratios",
         notes=notes, machine=machine,
-        meta={"preset": "small", "prompt_tokens": args.prompt, "new_tokens": args.new,
-              "chunk_steps": args.chunk_steps, "repeats": args.repeats,
-              "cache_bytes_per_token": {"latent": latent, "expanded_kv": expanded},
+        meta={"presets": args.preset.split(","), "prompt_tokens": args.prompt, "new_tokens": args.new,
+              "chunk_steps": args.chunk_steps, "repeats": args.repeats, "cache_bytes_per_token": caches,
               "gemm_peak_gflop_s": None if peak is None else peak / 1e9, "roofline": roofline})
     return 0
 

@@ -1,11 +1,12 @@
-"""Training-step throughput of the `small` preset: c2jax (JAX, jitted) vs HF transformers DeepseekV3
-(PyTorch eager), same shapes, same batch, same machine, one run, measured alternately.
+"""Training-step throughput of small presets of two families, `small` (DeepSeek-V3-shaped) and `small-qwen3-moe`:
+c2jax (JAX, jitted) vs HF transformers' own class of the same family (DeepseekV3ForCausalLM, Qwen3MoeForCausalLM;
+PyTorch eager), same shapes, same batch, same machine, one run, measured alternately within each preset.
 
 A step is forward + backward + AdamW on next-token cross-entropy. MFU is useful model FLOPs
 (c2jax.models.flops.training_flops_per_token, no MTP: HF has none) over this machine's measured float32
 matmul peak. Prints a table and writes JSON.
 
-    python -m experiments.bench.model_throughput [--batch 8 --seq 512 --rounds 3 --out FILE]
+    python -m experiments.bench.model_throughput [--preset small,small-qwen3-moe --batch 8 --seq 512 --rounds 3]
 """
 
 from __future__ import annotations
@@ -69,24 +70,16 @@ def make_jax_step(cfg: ModelConfig, seed: int = 0):
 
 
 def make_torch_step(cfg: ModelConfig, seed: int = 0):
+    """transformers' model of the same family and shapes (the config.json c2jax would export), trained the same."""
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from c2jax.models.hf import config_to_hf
 
     torch.manual_seed(seed)
-    hf_cfg = DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        n_routed_experts=cfg.n_routed_experts, n_shared_experts=cfg.n_shared_experts,
-        num_experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=cfg.first_k_dense_replace,
-        norm_topk_prob=cfg.norm_topk_prob, max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, num_mtp_layers=0,
-        attn_implementation="sdpa",
-    )
-    model = DeepseekV3ForCausalLM(hf_cfg).train()
+    hf = config_to_hf(cfg.replace(num_nextn_predict_layers=0))
+    hf_cfg = AutoConfig.for_model(hf.pop("model_type"), **hf, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     def run(ids):
@@ -103,7 +96,7 @@ def make_torch_step(cfg: ModelConfig, seed: int = 0):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--preset", default="small,small-qwen3-moe", help="comma-separated presets")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
@@ -119,63 +112,67 @@ def main(argv=None):
     # Unrolled layers by default: with 4 layers compile time is no concern, and on XLA:CPU the scan's
     # stacked residuals (dynamic-update-slice in, dynamic-slice out) cost time: measured 2.07 s/step with
     # scan vs 1.92 s unrolled (before the MoE's hand-written backward the gap was ~1 s).
-    cfg = preset(args.preset).replace(num_nextn_predict_layers=0, scan_layers=args.scan_layers)
+    peak = matmul_peak_flops()
+    table, result = [], {"batch": args.batch, "seq": args.seq, "scan_layers": args.scan_layers,
+                         "tokens_per_step": args.batch * args.seq, "matmul_peak_flops": peak, "presets": {}}
+    for name in args.preset.split(","):
+        one = measure(name, args, peak)
+        result["presets"][name] = one
+        table += [{"preset": name, "impl": impl, **row} for impl, row in one["results"].items()]
+    result["torch_threads"] = next((r["torch_threads"] for r in result["presets"].values()), None)
+    notes = [f"{name}: c2jax / hf tokens/s {one['speedup_vs_hf']:.2f}x" for name, one in result["presets"].items()
+             if "speedup_vs_hf" in one]
+    print(f"model_throughput: batch={args.batch}x{args.seq}, peak f32 matmul {peak / 1e9:.1f} GFLOP/s")
+    write_results(args.out, table, columns=[
+        "preset", "impl", ("step_s_median", "step s", ".3f"), ("step_s_min", "best s", ".3f"),
+        ("tokens_per_s", "tokens/s", ".0f"), ("mfu", "MFU", ".1%"), ("mfu_best_step", "best MFU", ".1%"),
+        ("first_step_s", "first step s", ".1f")], meta=result, machine=machine, rows_key=None, notes=notes)
+    return result
+
+
+def measure(name: str, args, peak: float) -> dict:
+    """One preset: c2jax and HF steps alternated over the rounds; per implementation median / best step and MFU."""
+    cfg = preset(name).replace(num_nextn_predict_layers=0, scan_layers=args.scan_layers)
     if args.moe_impl:
         cfg = cfg.replace(moe_impl=args.moe_impl)
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, cfg.vocab_size, (args.batch, args.seq + 1), dtype=np.int32) for _ in range(4)]
     tokens_per_step = args.batch * args.seq
-
-    peak = matmul_peak_flops()
     runners = {"c2jax": make_jax_step(cfg)}
     torch_threads = None
     if not args.skip_hf:
         runners["hf"], torch = make_torch_step(cfg)
         torch_threads = torch.get_num_threads()
     compile_s = {}
-    for name, run in runners.items():  # warm-up: compilation for JAX, allocator warm-up for torch
+    for impl, run in runners.items():  # warm-up: compilation for JAX, allocator warm-up for torch
         t = time.perf_counter()
         run(batches[0])
-        compile_s[name] = time.perf_counter() - t
-    times = {name: [] for name in runners}
+        compile_s[impl] = time.perf_counter() - t
+    times = {impl: [] for impl in runners}
     for r in range(args.rounds):
-        for name, run in runners.items():
+        for impl, run in runners.items():
             for s in range(args.steps):
                 t = time.perf_counter()
                 run(batches[(r * args.steps + s) % len(batches)])
-                times[name].append(time.perf_counter() - t)
-
+                times[impl].append(time.perf_counter() - t)
     flops_per_token = training_flops_per_token(cfg, args.seq, include_mtp=False)
     rows = {}
-    for name, ts in times.items():
+    for impl, ts in times.items():
         median = statistics.median(ts)
-        rows[name] = {
+        rows[impl] = {
             "step_s_median": median,
             "step_s_min": min(ts),
             "tokens_per_s": tokens_per_step / median,
             "mfu": flops_per_token * tokens_per_step / median / peak,
             # this VM's neighbours make step times vary run to run by up to ~30%: report the best too
             "mfu_best_step": flops_per_token * tokens_per_step / min(ts) / peak,
-            "first_step_s": compile_s[name],
+            "first_step_s": compile_s[impl],
         }
-    result = {
-        "preset": args.preset, "batch": args.batch, "seq": args.seq, "moe_impl": cfg.moe_impl,
-        "scan_layers": cfg.scan_layers, "tokens_per_step": tokens_per_step, "train_flops_per_token": flops_per_token,
-        "matmul_peak_flops": peak, "torch_threads": torch_threads, "results": rows,
-    }
+    out = {"family": cfg.hf_model_type, "moe_impl": cfg.moe_impl, "train_flops_per_token": flops_per_token,
+           "torch_threads": torch_threads, "results": rows}
     if "hf" in rows:
-        result["speedup_vs_hf"] = rows["c2jax"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
-
-    print(f"model_throughput: preset={args.preset} batch={args.batch}x{args.seq} "
-          f"peak f32 matmul {peak / 1e9:.1f} GFLOP/s, {flops_per_token / 1e6:.1f} MFLOP/token")
-    write_results(args.out, [{"impl": name, **row} for name, row in rows.items()], columns=[
-        "impl", ("step_s_median", "step s", ".3f"), ("step_s_min", "best s", ".3f"),
-        ("tokens_per_s", "tokens/s", ".0f"),
-        ("mfu", "MFU", ".1%"), ("mfu_best_step", "best MFU", ".1%"), ("first_step_s", "first step s", ".1f")],
-        meta=result, machine=machine, rows_key=None,
-        notes=[f"c2jax / hf tokens/s: {result['speedup_vs_hf']:.2f}x"] if "speedup_vs_hf" in result else ())
-    return result
-
+        out["speedup_vs_hf"] = rows["c2jax"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
+    return out
 
 if __name__ == "__main__":
     main()
