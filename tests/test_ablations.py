@@ -256,3 +256,27 @@ def test_weak_start_study_runs_every_variant_from_the_same_sft_start(tmp_path):
         mod.demo_flags({"sft_from": "x"})
     with pytest.raises(ValueError, match="not a demo setting"):
         mod.demo_flags({"teacher_eror": 0.5})
+
+
+@pytest.mark.parametrize("level, steps", [(1, 1000), (2, 4000), (3, 16000)])
+def test_ablation01_on_qwen3_coder_plans_on_one_node(level, steps):
+    """The report's CPT -> RL compute study on its own model (Qwen3-Coder-30B-A3B): three log-spaced CPT levels
+    (x4 apart) with the same SFT; each fits one 8-GPU node: 8 x H200 as written (expert=8), 8 x H100-80GB with the
+    Adam moments offloaded (optimizer.offload=true)."""
+    from c2jax.mesh import MeshConfig
+    from c2jax.rl.system.config import RLSystemConfig
+
+    folder = CONFIGS / "ablation01_qwen3_coder_30b_a3b"
+    cfg = load(PretrainConfig, folder / f"cpt_c{level}.yaml")
+    assert cfg.model.hf_model_type == "qwen3_moe" and cfg.model.max_position_embeddings == 262144
+    assert [p.steps for p in cfg.phases] == [steps, 500] and cfg.phases[1].loss_mask == "completion"
+    assert cfg.loss.router_bias_rate == 0.0 and cfg.loss.router_aux_loss > 0  # the family's balancing
+    mesh = MeshConfig(**{k: v for k, v in cfg.mesh.__dict__.items()})
+    assert mesh.num_devices == 8
+    for phase in cfg.phases:
+        on_device = plan(cfg.model, mesh, phase.seq_len, cfg.data["batch_size"])
+        assert on_device.fits(141) and not on_device.fits(80)
+        assert plan(cfg.model, mesh, phase.seq_len, cfg.data["batch_size"], offload_optimizer=True).fits(80)
+    rl = load(RLSystemConfig, folder / "rl.yaml")
+    assert rl.model == cfg.model and rl.router_replay
+    assert plan(rl.model, mesh, rl.engine.max_len, 8).fits(141)
