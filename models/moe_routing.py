@@ -38,27 +38,17 @@ def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.nda
     logits = jnp.einsum("td,de->te", x.astype(jnp.float32), w_router.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, -1)
     num_experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    choice = _selection_scores(cfg, scores, bias)
     if replay_ids is None:
-        choice = scores + bias.astype(jnp.float32)
-        if cfg.n_group > 1 and cfg.topk_method != "greedy":
-            grouped = choice.reshape(-1, cfg.n_group, num_experts // cfg.n_group)
-            if cfg.topk_method == "noaux_tc":
-                group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
-            else:  # group_limited_greedy
-                group_scores = grouped.max(-1)
-            _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-            keep = jnp.zeros_like(group_scores, dtype=bool).at[
-                jnp.arange(group_scores.shape[0])[:, None], top_groups].set(True)
-            keep = jnp.repeat(keep, num_experts // cfg.n_group, axis=-1)
-            choice = jnp.where(keep, choice, -jnp.inf)
         _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(choice), k)
     else:
         if replay_ids.shape != (x.shape[0], k):
             raise ValueError(f"replay_ids shape {replay_ids.shape} != (tokens, top_k) {(x.shape[0], k)}")
         expert_ids = replay_ids
         if cfg.router_replay_filter_ratio > 0:
-            expert_ids = _plausible_replay(scores, scores + bias.astype(jnp.float32), replay_ids.astype(jnp.int32),
-                                           k, cfg.router_replay_filter_ratio)
+            # the trainer's own choice is made under the same group limit as the sampler's
+            expert_ids = _plausible_replay(scores, choice, replay_ids.astype(jnp.int32), k,
+                                           cfg.router_replay_filter_ratio)
     expert_ids = expert_ids.astype(jnp.int32)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if cfg.norm_topk_prob:
@@ -68,12 +58,32 @@ def route(cfg: ModelConfig, x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.nda
     return Routing(expert_ids, weights, counts, logits)
 
 
+def _selection_scores(cfg: ModelConfig, scores: jnp.ndarray, bias: jnp.ndarray) -> jnp.ndarray:
+    """[T, E] what the top-k selects by: s + b, -inf outside the eligible groups (cfg.topk_method)."""
+    num_experts = cfg.n_routed_experts
+    choice = scores + bias.astype(jnp.float32)
+    if cfg.n_group > 1 and cfg.topk_method != "greedy":
+        grouped = choice.reshape(-1, cfg.n_group, num_experts // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:  # group_limited_greedy
+            group_scores = grouped.max(-1)
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jnp.zeros_like(group_scores, dtype=bool).at[
+            jnp.arange(group_scores.shape[0])[:, None], top_groups].set(True)
+        keep = jnp.repeat(keep, num_experts // cfg.n_group, axis=-1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    return choice
+
+
 def _plausible_replay(scores, choice, replay_ids, k: int, ratio: float) -> jnp.ndarray:
     """Router replay plausibility filter (Composer 2 sec. 5; threshold form of prime-rl PR #2703).
 
     Keep replayed expert e of token t iff s[t, e] >= ratio * min_{j in topk_t} s[t, j], where topk_t is the
-    trainer's own top-k by the selection score s + b. Each rejected slot takes, in rank order, the best
-    trainer candidate not already among the kept replayed experts, so the k ids stay distinct.
+    trainer's own top-k by the selection score s + b within the groups it may choose from (`choice` is -inf
+    outside them: without that, a grouped router's own replayed choice could fall below the threshold of an
+    ungrouped top-k and be swapped for an expert its groups exclude). Each rejected slot takes, in rank order,
+    the best trainer candidate not already among the kept replayed experts, so the k ids stay distinct.
     """
     scores, choice = jax.lax.stop_gradient(scores), jax.lax.stop_gradient(choice)
     _, own = jax.lax.top_k(choice, k)  # [T, k], best first

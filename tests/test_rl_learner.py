@@ -118,18 +118,31 @@ def test_route_plausibility_filter_replaces_implausible_replayed_experts():
     np.testing.assert_array_equal(off.expert_ids, replay)  # filter off: replay is taken as given
 
 
-def test_router_replay_identical_and_perturbed():
-    sampler = _jit_forward(CFG)
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
+# every router: DeepSeek-V3's sigmoid + bias (with and without groups), Qwen3-MoE's softmax greedy, DeepSeek-V2's
+# group-limited softmax. The grouped ones once failed here: the plausibility filter ranked the trainer's own choice
+# without the group limit, so replaying the model's own experts swapped some of them
+REPLAY_CFGS = {
+    "deepseek_v3": CFG,
+    "deepseek_v3_groups": CFG.replace(n_group=4, topk_group=2),
+    "qwen3_moe": preset("tiny-qwen3-moe").replace(vocab_size=16, num_hidden_layers=2, moe_impl="dense"),
+    "deepseek_v2": preset("tiny-deepseek-v2").replace(vocab_size=16, num_hidden_layers=2, moe_impl="dense"),
+}
+
+
+@pytest.mark.parametrize("family", list(REPLAY_CFGS))
+def test_router_replay_identical_and_perturbed(family):
+    cfg = REPLAY_CFGS[family]
+    sampler = _jit_forward(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
     free_logits, free_ids = sampler(tokens)
-    replayed_logits, replayed_ids = _jit_forward(CFG.replace(router_replay_filter_ratio=0.9))(tokens, free_ids)
+    replayed_logits, replayed_ids = _jit_forward(cfg.replace(router_replay_filter_ratio=0.9))(tokens, free_ids)
     np.testing.assert_array_equal(replayed_ids, free_ids)
     np.testing.assert_allclose(replayed_logits, free_logits, rtol=1e-6, atol=1e-6)
 
-    trainer_model = init(CFG)
+    trainer_model = init(cfg)
     gate = trainer_model.moe_layers.mlp.gate
     gate[...] = gate[...] + 0.05 * jax.random.normal(jax.random.key(2), gate[...].shape)
-    trainer = _jit_forward(CFG)
+    trainer = _jit_forward(cfg)
     trainer_state = nnx.split(trainer_model)[1]
     own_logits, own_ids = trainer(tokens, state=trainer_state)
     assert (np.sort(own_ids, -1) != np.sort(free_ids, -1)).any()
