@@ -62,10 +62,14 @@ def check_division(division: str) -> str:
     return division
 
 
-def divide(x: jnp.ndarray, scale: jnp.ndarray, division: str) -> jnp.ndarray:
-    """x / scale in float32, rounded as `division` says (see DIVISIONS)."""
+def divide(x: jnp.ndarray, scale: jnp.ndarray, division: str, *, barrier: bool = True) -> jnp.ndarray:
+    """x / scale in float32, rounded as `division` says (see DIVISIONS). `barrier=False` inside Pallas kernels:
+    Triton has no optimization_barrier, and XLA's simplifier, which the barrier guards against, does not
+    rewrite a kernel's body (gpu_check's quantizer section compares the kernel with the XLA path on a device)."""
     check_division(division)
     x, scale = jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32)
+    if division == "ieee" and not barrier:
+        return x / scale
     if division == "ieee":
         # XLA's algebraic simplifier rewrites x / broadcast(s) as x * broadcast(1 / s), even for a run-time
         # s (measured on XLA:CPU, jax 0.10.2: 54% of x / 448 off by one ulp), which is the "approx" mode.
@@ -91,8 +95,11 @@ def not_clipped(scaled: jnp.ndarray, fmt: ElementFormat) -> jnp.ndarray:
 
 
 def block_amax(xb: jnp.ndarray, axis=-1) -> jnp.ndarray:
-    """max |x| over `axis`, NaN if any element is NaN (XLA:CPU's reduce-max does not propagate NaN)."""
-    return jnp.where(jnp.isnan(xb).any(axis), jnp.float32(jnp.nan), jnp.max(jnp.abs(xb), axis=axis))
+    """max |x| over `axis`, NaN if any element is NaN (XLA:CPU's reduce-max does not propagate NaN). The NaNs are
+    counted with a float sum, not `any`: Pallas' Triton lowering has no boolean reduce_or (found by lowering the
+    fused permute + quantize kernel for CUDA, experiments/bench/gpu_check --lower-only)."""
+    nans = jnp.sum(jnp.isnan(xb).astype(jnp.float32), axis=axis)
+    return jnp.where(nans > 0, jnp.float32(jnp.nan), jnp.max(jnp.abs(xb), axis=axis))
 
 
 # E8M0 ---------------------------------------------------------------------------------------------
@@ -126,8 +133,9 @@ def pow2_from_biased(biased: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(biased == E8M0_NAN, jnp.float32(jnp.nan), value)
 
 
-def divide_pow2(x: jnp.ndarray, biased: jnp.ndarray, division: str) -> jnp.ndarray:
+def divide_pow2(x: jnp.ndarray, biased: jnp.ndarray, division: str, *, barrier: bool = True) -> jnp.ndarray:
     """x / 2^(biased - 127). The 2^-127 scale is an FP32 subnormal that XLA:CPU flushes to zero in a
-    division, so that one case multiplies by the exact 2^127 instead (same bits as IEEE division)."""
-    scaled = divide(x, pow2_from_biased(biased), division)
+    division, so that one case multiplies by the exact 2^127 instead (same bits as IEEE division).
+    `barrier`: as for `divide` (False inside Pallas kernels)."""
+    scaled = divide(x, pow2_from_biased(biased), division, barrier=barrier)
     return jnp.where(biased == 0, x.astype(jnp.float32) * jnp.float32(2.0**127), scaled)

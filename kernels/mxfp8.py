@@ -51,10 +51,12 @@ class MXTensor(NamedTuple):
     scales: jnp.ndarray  # operand shape with the block axis of length ceil(K / block), float8_e8m0fnu
 
 
-def mx_scale_bits(amax: jnp.ndarray, fmt: ElementFormat, scale_rule: str = "rceil") -> jnp.ndarray:
-    """Biased E8M0 exponent (int32 in [0, 255]) of the shared scale of blocks with the given amax."""
+def mx_scale_bits(amax: jnp.ndarray, fmt: ElementFormat, scale_rule: str = "rceil", *,
+                  barrier: bool = True) -> jnp.ndarray:
+    """Biased E8M0 exponent (int32 in [0, 255]) of the shared scale of blocks with the given amax.
+    `barrier=False` inside Pallas kernels (formats.divide)."""
     if scale_rule == "rceil":
-        exponent, mantissa = f32_exponent_fields(divide(amax, fmt.max_value, "ieee"))
+        exponent, mantissa = f32_exponent_fields(divide(amax, fmt.max_value, "ieee", barrier=barrier))
         # normal d: ceil(log2 d) + 127 = biased exponent, +1 unless d is a power of two.
         # subnormal d (< 2^-126): ceil(log2 d) is -126 if d > 2^-127, else clamped to -127.
         biased = jnp.where(exponent > 0, exponent + (mantissa != 0), (mantissa > 0x400000).astype(jnp.int32))

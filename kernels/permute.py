@@ -53,9 +53,9 @@ def _kernel(src_ref, x_ref, values_ref, bits_ref, *, num_blocks, fmt, scale_rule
     def body(b, carry):
         k0 = pl.multiple_of(b * MX_BLOCK, MX_BLOCK)
         block = pltr.load(x_ref.at[pl.ds(s, 1), pl.ds(k0, MX_BLOCK)]).astype(jnp.float32)
-        biased = mx_scale_bits(block_amax(block, axis=1)[:, None], fmt, scale_rule)  # [1, 1]
+        biased = mx_scale_bits(block_amax(block, axis=1)[:, None], fmt, scale_rule, barrier=False)  # [1, 1]
         pltr.store(values_ref.at[pl.ds(r, 1), pl.ds(k0, MX_BLOCK)],
-                   clip_cast(divide_pow2(block, biased, division), fmt))
+                   clip_cast(divide_pow2(block, biased, division, barrier=False), fmt))
         pltr.store(bits_ref.at[pl.ds(r, 1), pl.ds(b, 1)], biased.astype(jnp.uint8))
         return carry
 

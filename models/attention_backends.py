@@ -100,11 +100,12 @@ def candidates(backend: str | None = None, platform: str | None = None) -> list[
 
 def attention(q, k, v, *, scale: float, segment_ids=None, q_segment_ids=None, kv_segment_ids=None,
               positions=None, q_positions=None, kv_positions=None, causal: bool = True,
-              backend: str | None = None):
+              backend: str | None = None, platform: str | None = None):
     """softmax(q k^T * scale, masked) v by the chosen backend (see the module docstring).
 
     segment_ids / positions are shorthands for self-attention (the same vector for queries and keys);
-    give either them or the q_/kv_ pair."""
+    give either them or the q_/kv_ pair. `platform` (default: jax.default_backend()) picks the backends as for
+    that platform, e.g. "gpu" while lowering for CUDA on a CPU-only machine (experiments/bench/gpu_check)."""
     if segment_ids is not None:
         if q_segment_ids is not None or kv_segment_ids is not None:
             raise ValueError("give segment_ids or q_segment_ids/kv_segment_ids, not both")
@@ -120,7 +121,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, q_segment_ids=None, kv
         raise ValueError(f"attention: k and v must have the same number of heads dividing q's {heads}, got "
                          f"k {k.shape[2]}, v {v.shape[2]}")
     refusals = []
-    for b in candidates(backend):
+    for b in candidates(backend, platform):
         if kv_heads != heads and not b.grouped_kv:  # GQA for a backend that wants one K/V head per query head
             k, v = jnp.repeat(k, heads // kv_heads, axis=2), jnp.repeat(v, heads // kv_heads, axis=2)
             kv_heads = heads

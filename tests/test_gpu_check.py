@@ -136,3 +136,52 @@ def test_the_driver_and_the_section_table_import_no_jax():
             "assert set(SECTIONS) == set(runner.SPEC_BY_NAME), set(SECTIONS) ^ set(runner.SPEC_BY_NAME)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_lower_only_lowers_every_device_program_for_cuda(tmp_path):
+    """`gpu_check --lower-only` (its own process: JAX on the CPU, 8 host devices) lowers every program for CUDA
+    from abstract arguments and finds each one's markers: the Pallas kernels' Triton / Mosaic GPU custom calls,
+    the cuDNN attention call, the collectives of context and expert parallelism."""
+    from experiments.bench.gpu_check import lowering
+
+    proc = subprocess.run([sys.executable, "-m", "experiments.bench.gpu_check", "--lower-only", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "lowering.json").read_text())
+    assert report["platform"] == "cuda"
+    rows = {r["name"]: r for r in report["programs"]}
+    assert list(rows) == [p.name for p in lowering.PROGRAMS] and all(r["ok"] for r in rows.values())
+    assert rows["kernel/grouped_gemm/pallas_triton"]["custom_calls"] == ["__gpu$xla.gpu.triton"]
+    assert rows["kernel/grouped_gemm/mosaic_sm90"]["custom_calls"] == ["mosaic_gpu_v2"]
+    assert any(c.startswith("__cudnn$fmha") for c in rows["attention/cudnn/gqa(small-qwen3-moe)"]["custom_calls"])
+    assert "all_gather" in rows["attention/context_parallel/cp8(medium)"]["collectives"]
+    assert {"all_gather", "reduce_scatter"} <= set(rows["train_step/medium/mxfp8 fsdp2 x expert4"]["collectives"])
+
+
+def test_a_silent_fallback_or_an_unlowerable_kernel_fails_the_lowering_check(monkeypatch, request):
+    """A kernel replaced by the XLA reference (its custom call gone) and a kernel using a primitive Pallas'
+    Triton lowering lacks (the boolean reduce_or this check once found in the permute + quantize kernel) both
+    fail, and the run's exit status says so."""
+    import jax.numpy as jnp
+
+    from c2jax.kernels import formats, grouped_gemm, pallas_grouped
+    from experiments.bench.gpu_check import lowering
+
+    by_name = {p.name: p for p in lowering.PROGRAMS}
+    monkeypatch.setattr(pallas_grouped, "grouped_matmul_pallas",
+                        lambda lhs, rhs, sizes, **_: grouped_gemm.grouped_matmul_reference(lhs, rhs, sizes))
+    fallback = lowering.lower_one(by_name["kernel/grouped_gemm/pallas_triton"])
+    assert not fallback.ok and fallback.missing == ["__gpu$xla.gpu.triton"] and fallback.error is None
+
+    def amax_with_any(xb, axis=-1):
+        return jnp.where(jnp.isnan(xb).any(axis), jnp.float32(jnp.nan), jnp.max(jnp.abs(xb), axis=axis))
+
+    monkeypatch.setattr(formats, "block_amax", amax_with_any)
+    from c2jax.kernels import permute
+
+    monkeypatch.setattr(permute, "block_amax", amax_with_any)
+    permute.permute_quantize_mx_pallas.clear_cache()
+    request.addfinalizer(permute.permute_quantize_mx_pallas.clear_cache)  # no broken trace outlives the test
+    broken = lowering.lower_one(by_name["kernel/permute_quantize_mx/pallas_triton"])
+    assert not broken.ok and "reduce_or" in broken.error
+    assert lowering.main(None, ["kernel/grouped_gemm/pallas_triton", "kernel/permute"]) == 1

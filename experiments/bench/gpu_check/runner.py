@@ -337,6 +337,10 @@ def _parse(argv):
     p.add_argument("--jobs", type=int, default=1,
                    help="dry run only: sections run this many at a time (each still in its own process)")
     p.add_argument("--list", action="store_true", help="print the sections and exit")
+    p.add_argument("--lower-only", action="store_true",
+                   help="lower every device program for CUDA on this machine (no GPU needed) and check the custom "
+                        "calls and collectives it must contain (experiments/bench/gpu_check/lowering.py)")
+    p.add_argument("--programs", default="", help="with --lower-only: comma-separated substrings of program names")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--deadline-s", type=float, default=None, help=argparse.SUPPRESS)
@@ -349,6 +353,10 @@ def main(argv=None) -> int:
         from experiments.bench.gpu_check import sections
 
         return sections.run_worker(args.worker, Path(args.result), args.dry_run, args.deadline_s, args.allow_cpu)
+    if args.lower_only:  # its own process: JAX on the CPU with 8 host devices, never this driver's
+        out = args.out or os.environ.get("OUT") or str(REPO / "runs" / "bench" / "gpu_check")
+        command = [sys.executable, "-m", "experiments.bench.gpu_check.lowering", "--out", out]
+        return subprocess.call(command + (["--programs", args.programs] if args.programs else []), cwd=REPO)
     if args.list:
         for s in SPECS:
             print(f"{s.name:18s} {s.deadline_s:5.0f} s  {s.title}{'  (--selftest)' if s.selftest else ''}")
