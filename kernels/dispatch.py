@@ -15,6 +15,8 @@ An implementation lists the platforms it runs on natively and, optionally, subst
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +24,20 @@ from dataclasses import dataclass
 import jax
 
 ENV_OVERRIDE = "C2JAX_KERNEL_IMPL"
+# (platform, device_kind) to choose implementations for instead of this process's device: set by `target()` while
+# lowering for another platform (experiments/bench/gpu_check --lower-only lowers for CUDA on a CPU machine)
+_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("c2jax_kernel_target", default=None)
+
+
+@contextlib.contextmanager
+def target(platform: str, device_kind: str = ""):
+    """Choose implementations as on (platform, device_kind), e.g. ("gpu", "NVIDIA H100 80GB HBM3"), while tracing
+    a program to lower for that platform: native implementations run without their interpreter."""
+    token = _TARGET.set((platform, device_kind))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,10 @@ def _env_override(op: str) -> str | None:
 
 
 def current_device() -> tuple[str, str]:
+    """(platform, device_kind) implementations are chosen for: `target()`'s, else this process's first device."""
+    chosen = _TARGET.get()
+    if chosen is not None:
+        return chosen
     device = jax.devices()[0]
     return jax.default_backend(), getattr(device, "device_kind", "")
 

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-MOE_IMPLS = ("sorted", "ragged", "dense")
+MOE_IMPLS = ("sorted", "ragged", "dense", "grouped")
 MOE_EP_IMPLS = ("allgather", "ragged_a2a")
 # c2jax.kernels.qlinear.RECIPES (kept literal here so the config imports nothing; tests check the two agree)
 MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_per_tensor_fwd+mxfp8_bwd",
@@ -148,7 +148,11 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights)
     moe_impl: str = "sorted"  # "sorted": sort + capacity-bucketed einsum (fast, dropless);
-    # "ragged": jax.lax.ragged_dot; "dense": every expert on every token (oracle)
+    # "ragged": jax.lax.ragged_dot; "dense": every expert on every token (oracle); "grouped": the kernel
+    # registry's grouped GEMM (kernels/grouped_gemm.py: Pallas Triton / Mosaic GPU on GPUs, XLA on CPU)
+    # the "grouped" path's implementation (kernels.grouped_gemm; None: the registry's first for the device kind,
+    # $C2JAX_KERNEL_IMPL overrides; a GPU kernel named on CPU runs in Pallas' interpreter)
+    moe_kernel: str | None = None
     # capacity buckets of moe_impl="sorted" (x the balanced load; T is always appended, so nothing drops).
     # 1.5 is there because a randomly initialised router already loads its busiest expert ~1.35x.
     moe_capacity_factors: tuple[float, ...] = (1.25, 1.5, 2.0)

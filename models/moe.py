@@ -12,7 +12,7 @@ from c2jax.models.config import ModelConfig
 from c2jax.models.expert_parallel import moe_expert_parallel, token_parallel_mesh
 from c2jax.models.layers import MLP, RouterBias, param
 from c2jax.models.logical import active_mesh_axes
-from c2jax.models.moe_dispatch import dispatch_dense, dispatch_ragged, dispatch_sorted
+from c2jax.models.moe_dispatch import dispatch_dense, dispatch_grouped, dispatch_ragged, dispatch_sorted
 from c2jax.models.moe_routing import route
 
 
@@ -49,6 +49,8 @@ class MoE(nnx.Module):
             y = dispatch_dense(flat, routing, gate_up, down)
         elif cfg.moe_impl == "ragged":
             y = dispatch_ragged(flat, routing, gate_up, down)
+        elif cfg.moe_impl == "grouped":
+            y = dispatch_grouped(cfg, flat, routing, gate_up, down)
         else:
             y = dispatch_sorted(cfg, flat, routing, gate_up, down)
         y = y.reshape(batch, seq, d)

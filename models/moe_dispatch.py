@@ -65,6 +65,47 @@ def dispatch_ragged(x, routing: Routing, gate_up, down):
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype))
 
 
+def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down):
+    """The ragged path's math with its grouped GEMMs run by the kernel registry (cfg.moe_kernel): expert-sorted
+    rows, [gate | up] and down projections as grouped GEMMs, scattered back and combined."""
+    k = routing.expert_ids.shape[1]
+    _, order, counts, _ = _sort_assignments(routing.expert_ids, gate_up.shape[0])
+    rows = x[order // k]
+    gemm = partial(_registry_grouped_matmul, cfg.moe_kernel)
+    gu = gemm(rows, gate_up.astype(x.dtype), counts)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    out_sorted = gemm(jax.nn.silu(gate) * up, down.astype(x.dtype), counts)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(x.shape[0], k, -1)
+    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _registry_grouped_matmul(impl, lhs, rhs, group_sizes):
+    """lhs [M, K] (rows sorted by group) @ rhs [G, K, N] per group, by the kernel registry's grouped GEMM. The
+    kernels are forward-only; the backward runs the same registry for dlhs = dout @ rhs^T (a grouped GEMM over
+    the same groups) and lax.ragged_dot's transpose for drhs (per group lhs^T dout)."""
+    from c2jax.kernels.grouped_gemm import grouped_matmul
+
+    return grouped_matmul(lhs, rhs, group_sizes, impl=impl, preferred_element_type=lhs.dtype)
+
+
+def _registry_grouped_fwd(impl, lhs, rhs, group_sizes):
+    return _registry_grouped_matmul(impl, lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _registry_grouped_bwd(impl, res, dout):
+    from c2jax.kernels.grouped_gemm import grouped_matmul
+
+    lhs, rhs, group_sizes = res
+    dlhs = grouped_matmul(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, impl=impl, preferred_element_type=lhs.dtype)
+    _, rhs_vjp = jax.vjp(lambda w: jax.lax.ragged_dot(lhs, w, group_sizes), rhs)
+    (drhs,) = rhs_vjp(dout.astype(lhs.dtype))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
+_registry_grouped_matmul.defvjp(_registry_grouped_fwd, _registry_grouped_bwd)
+
+
 def capacity_buckets(cfg: ModelConfig, num_tokens: int) -> tuple[int, ...]:
     """Static per-expert capacities tried in order; the last is T, which can never overflow."""
     balanced = num_tokens * cfg.num_experts_per_tok / cfg.n_routed_experts

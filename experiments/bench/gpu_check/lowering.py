@@ -44,6 +44,7 @@ class Program:
     expect: tuple[str, ...] = ()  # substrings the lowered text must contain
     devices: int = 1  # devices the program's mesh needs in this process
     cudnn: bool = False  # lower under pinned_cudnn
+    device_kind: str = ""  # choose kernels (kernels.dispatch) as on this GPU; empty: as on this machine
     note: str = ""
 
 
@@ -84,7 +85,8 @@ def _sds(shape, dtype):
 
 # --- the programs ------------------------------------------------------------------------------------------
 
-def _train_step(preset_name: str, recipe: str, batch: int, seq: int, mesh_sizes: dict | None = None):
+def _train_step(preset_name: str, recipe: str, batch: int, seq: int, mesh_sizes: dict | None = None,
+                moe_impl: str | None = None):
     def build():
         import jax
         import jax.numpy as jnp
@@ -96,6 +98,8 @@ def _train_step(preset_name: str, recipe: str, batch: int, seq: int, mesh_sizes:
         from c2jax.train.step import init_train_state, make_train_step
 
         cfg = preset(preset_name).replace(moe_quant=recipe, dtype="bfloat16", num_nextn_predict_layers=0)
+        if moe_impl is not None:
+            cfg = cfg.replace(moe_impl=moe_impl)
         tx = optax.adamw(1e-4)
         graphdef = nnx.eval_shape(lambda: init_train_state(init(cfg), tx))[0]
         abstract = jax.eval_shape(lambda: init_train_state(init(cfg), tx)[1])
@@ -144,7 +148,7 @@ def _rl_step(preset_name: str, rows: int, seq: int):
     return build
 
 
-def _sampler_step(preset_name: str, slots: int, tokens: int, max_len: int, decode: bool):
+def _sampler_step(preset_name: str, slots: int, tokens: int, max_len: int, decode: bool, moe_impl: str | None = None):
     def build():
         import functools
 
@@ -157,6 +161,8 @@ def _sampler_step(preset_name: str, slots: int, tokens: int, max_len: int, decod
         from c2jax.models.transformer import init
 
         cfg = preset(preset_name).replace(dtype="bfloat16", num_nextn_predict_layers=0)
+        if moe_impl is not None:
+            cfg = cfg.replace(moe_impl=moe_impl)
         graphdef = nnx.split(nnx.eval_shape(lambda: init(cfg)))[0]
         state = jax.eval_shape(lambda: nnx.split(init(cfg))[1])
         cache = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
@@ -281,6 +287,16 @@ PROGRAMS: tuple[Program, ...] = (
     Program("train_step/medium/mxfp8 fsdp2 x expert4", _train_step("medium", "mxfp8", 8, 4096,
                                                                    dict(fsdp=2, expert=4)),
             ("stablehlo.all_gather", "stablehlo.reduce_scatter"), devices=8),
+    # the MoE's grouped GEMMs through the kernel registry, chosen as on each GPU (forward and the dlhs backward)
+    Program("train_step/medium/moe grouped (H100: mosaic_sm90)", _train_step("medium", "bf16", 8, 4096,
+                                                                         moe_impl="grouped"),
+            ("mosaic_gpu_v2",), device_kind="NVIDIA H100 80GB HBM3"),
+    Program("train_step/medium/moe grouped (B200: pallas_triton)", _train_step("medium", "bf16", 8, 4096,
+                                                                           moe_impl="grouped"),
+            ("__gpu$xla.gpu.triton",), device_kind="NVIDIA B200"),
+    Program("sampler/prefill/medium/moe grouped (H200)", _sampler_step("medium", 16, 2048, 4096, decode=False,
+                                                                       moe_impl="grouped"),
+            ("mosaic_gpu_v2",), device_kind="NVIDIA H200"),
     Program("rl_step/medium/router_replay", _rl_step("medium", 4, 4096)),
     Program("sampler/prefill/medium", _sampler_step("medium", 16, 2048, 4096, decode=False)),
     Program("sampler/decode/medium", _sampler_step("medium", 16, 1, 4096, decode=True)),
@@ -296,7 +312,13 @@ def lower_one(program: Program, platform: str = "cuda") -> Lowered:
         if program.devices > len(jax.devices()):
             raise RuntimeError(f"needs {program.devices} devices, this process has {len(jax.devices())} (on CPU: "
                                f"XLA_FLAGS=--xla_force_host_platform_device_count={program.devices})")
-        with pinned_cudnn() if program.cudnn else contextlib.nullcontext():
+        from c2jax.kernels import dispatch
+
+        with contextlib.ExitStack() as stack:
+            if program.cudnn:
+                stack.enter_context(pinned_cudnn())
+            if program.device_kind:
+                stack.enter_context(dispatch.target("gpu", program.device_kind))
             fn, args = program.build()
             text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     except Exception as e:  # a lowering error is this check's finding, not a crash of the check
