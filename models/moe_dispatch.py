@@ -53,30 +53,27 @@ def _sort_assignments(expert_ids: jnp.ndarray, num_experts: int):
     return flat, order, counts, starts
 
 
-def dispatch_ragged(x, routing: Routing, gate_up, down):
-    """Grouped GEMM over expert-sorted rows with jax.lax.ragged_dot."""
+def _grouped_ffn(x, routing: Routing, gate_up, down, gemm):
+    """Expert-sorted rows through [gate | up] and down as grouped GEMMs `gemm(lhs, rhs, group_sizes)`, scattered
+    back and combined by the routing weights."""
     k = routing.expert_ids.shape[1]
     _, order, counts, _ = _sort_assignments(routing.expert_ids, gate_up.shape[0])
     rows = x[order // k]
-    gu = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), counts)
-    gate, up = jnp.split(gu, 2, axis=-1)
-    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down.astype(x.dtype), counts)
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(x.shape[0], k, -1)
-    return jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype))
-
-
-def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down):
-    """The ragged path's math with its grouped GEMMs run by the kernel registry (cfg.moe_kernel): expert-sorted
-    rows, [gate | up] and down projections as grouped GEMMs, scattered back and combined."""
-    k = routing.expert_ids.shape[1]
-    _, order, counts, _ = _sort_assignments(routing.expert_ids, gate_up.shape[0])
-    rows = x[order // k]
-    gemm = partial(_registry_grouped_matmul, cfg.moe_kernel)
     gu = gemm(rows, gate_up.astype(x.dtype), counts)
     gate, up = jnp.split(gu, 2, axis=-1)
     out_sorted = gemm(jax.nn.silu(gate) * up, down.astype(x.dtype), counts)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(x.shape[0], k, -1)
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype))
+
+
+def dispatch_ragged(x, routing: Routing, gate_up, down):
+    """Grouped GEMM over expert-sorted rows with jax.lax.ragged_dot."""
+    return _grouped_ffn(x, routing, gate_up, down, jax.lax.ragged_dot)
+
+
+def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down):
+    """The ragged path with its grouped GEMMs run by the kernel registry (cfg.moe_kernel)."""
+    return _grouped_ffn(x, routing, gate_up, down, partial(_registry_grouped_matmul, cfg.moe_kernel))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
