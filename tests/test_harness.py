@@ -626,3 +626,127 @@ def test_system_prompt_names_the_real_workdir_and_network():
         "Work in /srv/app/src, not /workspaces."  # instructions written for /workspace follow the workdir
     assert instructions_for(DEFAULT_SYSTEM, "/app", network=True).endswith(NETWORK_NOTE)
     assert NETWORK_NOTE not in default
+
+
+# Thinking blocks ---------------------------------------------------------------------------------
+
+def test_parse_separates_a_leading_thinking_block_and_ignores_its_tool_calls():
+    from c2jax.rl.harness.chat_format import render_messages_text
+
+    inner = tc("run_terminal_cmd", command="rm -rf /")
+    text = ("\n<think>\nI could run " + inner + " but no.\n</think>\nReading." + tc("read_file", path="a.py")
+            + "<|im_end|>")
+    parsed = parse_assistant_text(text, "c")
+    assert parsed.thinking == "I could run " + inner + " but no."
+    assert parsed.content == "Reading."
+    assert parsed.tool_calls == [ToolCall("c_0", "read_file", {"path": "a.py"})]  # the call in the thinking is not one
+    plain = parse_assistant_text("Hi." + tc("submit"), "c")
+    assert plain.thinking is None and plain.content == "Hi." and len(plain.tool_calls) == 1
+    empty = parse_assistant_text("<think></think>Done.", "c")  # an empty block (a non-thinking turn) is still a block
+    assert empty.thinking == "" and empty.content == "Done." and empty.tool_calls == []
+    # Only a leading block is thinking: later in the turn the tag is ordinary text and calls after it run.
+    late = parse_assistant_text("Note <think>x</think>" + tc("submit"), "c")
+    assert late.thinking is None and late.content == "Note <think>x</think>" and late.tool_calls[0].name == "submit"
+    # The text renderer puts reasoning_content back as a leading block; parsing the rendering gives it back.
+    msg = {"role": "assistant", "content": "Reading.", "reasoning_content": "look first",
+           "tool_calls": [ToolCall("c_0", "read_file", {"path": "a.py"}).to_openai()]}
+    rendered = render_messages_text([msg], add_generation_prompt=False)
+    assert rendered == ("<|im_start|>assistant\n<think>\nlook first\n</think>\nReading.<tool_call>\n"
+                        '{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call><|im_end|>\n')
+    back = parse_assistant_text(rendered[len("<|im_start|>assistant\n"):-1], "c")
+    assert (back.thinking, back.content, back.tool_calls) == ("look first", "Reading.", parsed.tool_calls)
+    no_reasoning = {k: v for k, v in msg.items() if k != "reasoning_content"}
+    assert "<think>" not in render_messages_text([no_reasoning])
+
+
+def test_an_unclosed_thinking_block_is_thinking_to_the_end_of_the_turn():
+    from c2jax.rl.harness.chat_format import thinking_span
+
+    parsed = parse_assistant_text("<think>plan: " + tc("submit") + " then<|im_end|>", "c")
+    assert parsed.thinking == "plan: " + tc("submit") + " then" and parsed.content == "" and parsed.tool_calls == []
+    # ids: 7 = <think>, 8 = </think>, 9 = <|im_end|>; by hand: the block is ids[1:4] when closed, ...
+    assert thinking_span([3, 7, 1, 8, 2, 9], 7, 8, stop_ids=[9], decode=lambda ids: " ") == (1, 4)
+    assert thinking_span([3, 7, 1, 8, 2, 9], 7, 8, stop_ids=[9]) is None  # without a decoder only id 0 leads
+    assert thinking_span([3, 7, 1, 8], 7, 8, decode=lambda ids: "x") is None  # text before it: not leading
+    assert thinking_span([7, 1, 2, 9], 7, 8, stop_ids=[9]) == (0, 3)  # unclosed: up to the stop token
+    assert thinking_span([7, 1, 2, 2], 7, 8, stop_ids=[9]) == (0, 4)  # unclosed, stopped for length: all of it
+    assert thinking_span([1, 2, 9], 7, 8, stop_ids=[9]) is None
+
+
+class ThinkingPolicy(FakePolicy):
+    """FakePolicy that also samples <think> and </think> as their special ids (one id each)."""
+
+    TAGS = ("<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>")
+
+    def __init__(self, tokenizer, texts):
+        super().__init__(tokenizer, texts)
+        self.special = {t: tokenizer.token_to_id(t) for t in self.TAGS}
+
+    def char_tokens(self, text):
+        ids = []
+        for piece in re.split("(" + "|".join(map(re.escape, self.TAGS)) + ")", text):
+            if piece in self.special:
+                ids.append(self.special[piece])
+            else:
+                for ch in piece:
+                    ids.extend(self.tok.encode(ch, add_special_tokens=False).ids)
+        return ids
+
+
+def test_sampled_thinking_tokens_are_counted_kept_and_not_acted_on(sandbox, tokenizer, tmp_path):
+    from c2jax.rl.eval.runner import token_counts
+    from c2jax.rl.harness import Trajectory
+
+    texts = ["<think>plan: " + tc("submit") + "</think>" + tc("read_file", path="calc.py"),
+             "Now grep." + tc("grep", pattern="return"),
+             "\n<think>ok</think>" + tc("submit", message="done")]
+    policy = ThinkingPolicy(tokenizer, texts)
+    renderer = ChatRenderer(tokenizer)
+    traj = run_episode(SamplerAgent(policy, renderer), sandbox, EpisodeTask("t", "Fix add."), default_registry(),
+                       EpisodeConfig(max_context_tokens=8192))
+    assert traj.finish_reason == "submitted" and traj.error is None  # by the third turn's submit, not the first's
+    assert [[c["name"] for c in s.tool_calls] for s in traj.steps] == [["read_file"], ["grep"], ["submit"]]
+    # By hand, one id per tag and per ASCII character: <think> 1 + "plan: " 6 + <tool_call> 1 +
+    # '{"name": "submit", "arguments": {}}' 35 + </tool_call> 1 + </think> 1 = 45; no block = 0;
+    # turn 3 (the leading newline is not counted): <think> 1 + "ok" 2 + </think> 1 = 4.
+    assert [s.num_thinking_tokens for s in traj.steps] == [45, 0, 4] and traj.num_thinking_tokens == 49
+    ids0 = policy.outputs[0].token_ids
+    think, unthink = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    assert ids0.index(think) == 0 and ids0.index(unthink) + 1 == 45  # the same count read off the sampled ids
+    assert traj.steps[0].content == "" and traj.steps[2].content == ""
+    # The sampled ids, thinking included, stay in the transcript as sampled; the message keeps the reasoning.
+    seg = traj.segments[0]
+    assert np.array(seg.token_ids)[np.array(seg.loss_mask) == 1].tolist() == [t for g in policy.outputs
+                                                                             for t in g.token_ids]
+    first = next(m for m in seg.messages if m["role"] == "assistant")
+    assert first["reasoning_content"] == "plan: " + tc("submit") and first["content"] == ""
+    assert "reasoning_content" not in [m for m in seg.messages if m["role"] == "assistant"][1]
+    assert token_counts(traj, None)["thinking_tokens"] == 49
+    # JSON round trip keeps the counts; a record written before the field existed loads with 0.
+    with TrajectoryWriter(tmp_path / "t.jsonl") as w:
+        w.write(traj)
+    (back,) = read_trajectories(tmp_path / "t.jsonl")
+    assert back.to_dict() == traj.to_dict() and back.to_dict()["summary"]["thinking_tokens"] == 49
+    assert [s.num_thinking_tokens for s in back.steps] == [45, 0, 4]
+    old = json.loads(json.dumps(traj.to_dict()))
+    for step in old["steps"]:
+        del step["num_thinking_tokens"]
+    del old["summary"]["thinking_tokens"]
+    legacy = Trajectory.from_dict(old)
+    assert [s.num_thinking_tokens for s in legacy.steps] == [0, 0, 0] and legacy.num_thinking_tokens == 0
+    assert [s.num_new_tokens for s in legacy.steps] == [s.num_new_tokens for s in traj.steps]
+
+
+def test_unclosed_thinking_counts_to_the_end_of_the_turn(sandbox, tokenizer):
+    # Stopped: <think> 1 + "still thinking" 14 = 15, the <|im_end|> it stopped on not counted.
+    traj = run_episode(SamplerAgent(ThinkingPolicy(tokenizer, ["<think>still thinking"]), ChatRenderer(tokenizer)),
+                       sandbox, EpisodeTask("t", "x"), default_registry())
+    (step,) = traj.steps
+    assert traj.finish_reason == "final_message" and step.finish_reason == "stop"
+    assert step.num_thinking_tokens == 15 and step.num_new_tokens == 16 and step.content == ""
+    # Cut by max_new_tokens_per_turn=10 inside the block: all 10 sampled ids are thinking.
+    traj = run_episode(SamplerAgent(ThinkingPolicy(tokenizer, ["<think>" + "x" * 30 + tc("submit")]),
+                                    ChatRenderer(tokenizer)),
+                       sandbox, EpisodeTask("t", "x"), default_registry(), EpisodeConfig(max_new_tokens_per_turn=10))
+    assert traj.steps[0].finish_reason == "length" and traj.steps[0].num_thinking_tokens == 10
+    assert traj.steps[0].tool_calls == [] and traj.num_thinking_tokens == 10

@@ -98,9 +98,10 @@ def _estimate(text: str) -> int:
 
 
 def token_counts(traj: Trajectory, encode: Callable[[str], list[int]] | None) -> dict[str, Any]:
-    """completion / input / tool-output tokens of an episode. Token-level agents give exact counts from
-    the transcript (input = the context length before each sampled turn, summed); for message-level
-    agents that report none, counts are characters / 4 and flagged as estimates."""
+    """completion / input / tool-output / thinking tokens of an episode. Token-level agents give exact counts
+    from the transcript (input = the context length before each sampled turn, summed; thinking = the sampled
+    tokens of the turns' leading <think> blocks, part of completion); for message-level agents that report
+    none, counts are characters / 4 and flagged as estimates (their thinking count is 0: no token ids)."""
     estimated = False
     completion = 0
     for step in traj.steps:
@@ -127,7 +128,13 @@ def token_counts(traj: Trajectory, encode: Callable[[str], list[int]] | None) ->
                 chars += len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or []))
             estimated = True
     return {"completion_tokens": completion, "tool_output_tokens": tool_out, "input_tokens": input_tokens,
-            "tokens_estimated": estimated}
+            "tokens_estimated": estimated, "thinking_tokens": traj.num_thinking_tokens}
+
+
+def _sample_fields(counts: dict[str, Any]) -> dict[str, Any]:
+    """The counts SampleResult has fields for (it stores no thinking_tokens yet; they flow in once it does)."""
+    names = {f.name for f in dataclasses.fields(SampleResult)}
+    return {k: v for k, v in counts.items() if k in names}
 
 
 def _estimate_chars(chars: int) -> int:
@@ -202,7 +209,7 @@ def run_sample(task: Task, sample: int, agent_factory: AgentFactory, cfg: EvalCo
     return SampleResult(
         task.id, sample, task.category, resolved, status, reward=reward, finish_reason=traj.finish_reason,
         error=traj.error, patch=traj.final_diff, final_message=message, selector_score=selector,
-        **token_counts(traj, encode), turns=traj.num_turns, tool_calls=traj.num_tool_calls,
+        **_sample_fields(token_counts(traj, encode)), turns=traj.num_turns, tool_calls=traj.num_tool_calls,
         wall_s=time.perf_counter() - t0, episode_s=episode_s, grade_s=grade_s,
         model_s=traj.timings.get("model_s", 0.0), tool_s=traj.timings.get("tool_s", 0.0), grade=details)
 

@@ -3,7 +3,9 @@ replays a solution. The OpenAI-compatible HTTP agent is in `openai_agent.py`.
 
 The episode loop owns the context (messages and, for token-level agents, the token transcript) and
 asks the agent for one assistant turn at a time. Token-level agents return the exact sampled ids; the
-loop appends them to the transcript unchanged.
+loop appends them to the transcript unchanged, thinking block included (`chat_format`: a turn's
+leading `<think>...</think>` is kept out of the content, its tool calls are not run, and its sampled
+tokens are counted in `AgentTurn.num_thinking_tokens`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from c2jax.rl.harness.chat_format import parse_assistant_text
+from c2jax.rl.harness.chat_format import THINK_CLOSE, THINK_OPEN, parse_assistant_text, thinking_span
 from c2jax.rl.harness.registry import ToolCall, ToolRegistry
 from c2jax.rl.harness.renderer import ChatRenderer, TokenTranscript
 
@@ -40,6 +42,8 @@ class AgentTurn:
     num_new_tokens: int = 0
     context_tokens: int | None = None  # message-level agents: prompt + completion tokens the API reported
     prompt_expert_ids: np.ndarray | None = None  # [len(prompt), moe_layers, k]: the prefill's experts
+    thinking: str | None = None  # the turn's leading thinking block (chat_format.split_thinking); None if none
+    num_thinking_tokens: int = 0  # sampled ids of that block (chat_format.thinking_span); 0 for message-level
 
 
 class Agent(Protocol):
@@ -110,9 +114,13 @@ class SamplerAgent:
                                  f"{len(context.tokens)} tokens")
         text = self.renderer.decode(ids)
         parsed = parse_assistant_text(text, call_id_prefix)
+        special = self.renderer.special_ids
+        span = thinking_span(ids, special[THINK_OPEN], special[THINK_CLOSE], stop_ids=self.stop_token_ids,
+                             decode=self.renderer.decode)
         return AgentTurn(parsed.content, [] if summary else parsed.tool_calls, ids, [float(x) for x in res.logprobs],
                          [int(v) for v in res.policy_versions], experts, res.finish_reason, len(ids),
-                         prompt_expert_ids=prompt_experts)
+                         prompt_expert_ids=prompt_experts, thinking=parsed.thinking,
+                         num_thinking_tokens=0 if span is None else span[1] - span[0])
 
 
 @dataclass(frozen=True)

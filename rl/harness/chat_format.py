@@ -9,12 +9,35 @@
 
 Several <tool_call> blocks in one assistant turn are several calls, run in order; each gets its own
 tool message, in the same order.
+
+Thinking. An assistant turn may open with a thinking block before its visible text and tool calls:
+
+    <|im_start|>assistant\n<think>{reasoning}</think>{text}<tool_call>...</tool_call><|im_end|>\n
+
+The block is leading: only whitespace may precede `<think>` (a `<think>` later in the turn is ordinary
+text, as in the Qwen3 / DeepSeek-R1 reasoning parsers; a file written through a tool may contain the
+string). It ends at the first `</think>`, or, never closed, at the end of the turn. `parse_assistant_text`
+returns it as `ParsedAssistant.thinking` (None without a block) and parses tool calls only from what
+follows it: a <tool_call> inside the thinking is not run (thinking is not acting). The sampled tokens of
+the block (`thinking_span`: from the `<think>` id through the `</think>` id, or to the end of the turn,
+a final stop token excluded) are what the harness counts as thinking tokens (`Step.num_thinking_tokens`).
+A `<think>` the model spelled out of ordinary tokens instead of the special id is still parsed as
+thinking, but not counted.
+
+How a previous turn's thinking is kept in the context: the RL path works on token ids, and a turn's
+sampled ids stay in the segment's transcript exactly as sampled, thinking included (nothing is
+re-rendered, so nothing is dropped or re-tokenized). In the message history the thinking travels as the
+assistant message's `reasoning_content` field (the content is the visible text only), and the text
+renderer (`message_body`, `render_messages_text`: display and SFT data) puts a `reasoning_content` that
+is present (not None) back as a leading `<think>\n{reasoning}\n</think>\n` block, so SFT data keeps the
+turn as the model would sample it and parsing the rendering gives the same thinking, text and calls.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Tokenizer
@@ -60,8 +83,15 @@ def message_body(message: dict) -> str:
     if role == "assistant":
         calls = [render_tool_call(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
                  for c in message.get("tool_calls") or []]
-        return content + "".join(calls)
+        reasoning = message.get("reasoning_content")
+        thinking = "" if reasoning is None else render_thinking(reasoning)
+        return thinking + content + "".join(calls)
     return content
+
+
+def render_thinking(reasoning: str) -> str:
+    """A leading thinking block, as `message_body` renders an assistant message's `reasoning_content`."""
+    return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n"
 
 
 def render_messages_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -72,8 +102,43 @@ def render_messages_text(messages: list[dict], add_generation_prompt: bool = Tru
 
 @dataclass(frozen=True)
 class ParsedAssistant:
-    content: str  # the text with the tool-call blocks removed
-    tool_calls: list[ToolCall]  # in order; malformed blocks are calls with `error` set
+    content: str  # the visible text: thinking block and tool-call blocks removed
+    tool_calls: list[ToolCall]  # in order; malformed blocks are calls with `error` set; none from the thinking
+    thinking: str | None = None  # the leading <think> block's text (stripped); None when the turn has none
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """(thinking, rest) of an assistant turn's text: the leading `<think>...</think>` block's text, stripped,
+    and what follows `</think>`; an unclosed block is thinking to the end (rest ""). (None, text) when the
+    turn does not open with a thinking block (only whitespace may precede `<think>`)."""
+    head = text.lstrip()
+    if not head.startswith(THINK_OPEN):
+        return None, text
+    body = head[len(THINK_OPEN):]
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return body.strip(), ""
+    return body[:end].strip(), body[end + len(THINK_CLOSE):]
+
+
+def thinking_span(ids: Sequence[int], think_open_id: int, think_close_id: int, *, stop_ids: Sequence[int] = (),
+                  decode: Callable[[list[int]], str] | None = None) -> tuple[int, int] | None:
+    """[start, end) of the sampled ids of a turn's leading thinking block: from the `<think>` id through the
+    first `</think>` id after it, inclusive; never closed, to the end of the turn, a last id in `stop_ids`
+    (the `<|im_end|>` the sampler stopped on) excluded. None without a block. The block is leading when the
+    ids before `<think>` decode (with `decode`) to whitespace only; without `decode`, `<think>` must be the
+    first id. The same rule as `split_thinking`, on ids."""
+    ids = list(ids)
+    if think_open_id not in ids:
+        return None
+    start = ids.index(think_open_id)
+    if start and (decode is None or decode(ids[:start]).strip()):
+        return None
+    try:
+        end = ids.index(think_close_id, start + 1) + 1
+    except ValueError:
+        end = len(ids) - 1 if len(ids) > start + 1 and ids[-1] in stop_ids else len(ids)
+    return start, end
 
 
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
@@ -96,9 +161,11 @@ def _parse_block(body: str, call_id: str) -> ToolCall:
 
 
 def parse_assistant_text(text: str, id_prefix: str) -> ParsedAssistant:
-    """Splits sampled assistant text into prose and tool calls; ids are `{id_prefix}_{i}`."""
+    """Splits sampled assistant text into the leading thinking block, prose and tool calls; ids are
+    `{id_prefix}_{i}`. Tool calls are read only after the thinking block (`split_thinking`)."""
     if text.endswith(IM_END):
         text = text[: -len(IM_END)]
+    thinking, text = split_thinking(text)
     calls, pieces, pos = [], [], 0
     for m in _BLOCK.finditer(text):
         pieces.append(text[pos:m.start()])
@@ -112,7 +179,7 @@ def parse_assistant_text(text: str, id_prefix: str) -> ParsedAssistant:
                               f"malformed tool call: {TOOL_CALL_OPEN} was never closed with {TOOL_CALL_CLOSE}"))
     else:
         pieces.append(rest)
-    return ParsedAssistant("".join(pieces).strip(), calls)
+    return ParsedAssistant("".join(pieces).strip(), calls, thinking)
 
 
 DEFAULT_SYSTEM = (

@@ -179,6 +179,8 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
             seg.api_context_tokens = out.context_tokens
         generated += out.num_new_tokens
         message = {"role": "assistant", "content": out.content}
+        if out.thinking is not None:  # kept for the text renderer (SFT data); the transcript keeps the ids
+            message["reasoning_content"] = out.thinking
         if out.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in out.tool_calls]
         seg.record.messages.append(message)
@@ -187,7 +189,8 @@ def run_episode(agent: Agent, sandbox: Sandbox, task: EpisodeTask, tools: ToolRe
     def make_step(seg, turn, kind, out: AgentTurn, model_s, observations, tool_s) -> Step:
         calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in out.tool_calls]
         return Step(seg.record.index, turn, kind, out.content, calls, observations, out.num_new_tokens,
-                    out.finish_reason, model_s, tool_s, sorted(set(out.policy_versions or [])))
+                    out.finish_reason, model_s, tool_s, sorted(set(out.policy_versions or [])),
+                    out.num_thinking_tokens)
 
     def run_calls(calls: list[ToolCall]) -> list[Observation]:
         observations = []

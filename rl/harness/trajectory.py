@@ -50,7 +50,7 @@ class Step:
     segment: int
     turn: int
     kind: str  # "act" or "summary"
-    content: str  # assistant prose, tool-call blocks removed
+    content: str  # assistant prose, thinking block and tool-call blocks removed
     tool_calls: list[dict]  # {"id", "name", "arguments", "error"}
     observations: list[Observation]
     num_new_tokens: int
@@ -58,6 +58,9 @@ class Step:
     model_s: float
     tool_s: float
     policy_versions: list[int] = field(default_factory=list)  # distinct versions that sampled this turn
+    # sampled tokens of the turn's leading <think> block, <think> through </think> (chat_format.thinking_span);
+    # part of num_new_tokens. 0 for message-level agents and in records written before the field existed
+    num_thinking_tokens: int = 0
 
 
 @dataclass
@@ -129,6 +132,10 @@ class Trajectory:
     def num_model_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.steps)
 
+    @property
+    def num_thinking_tokens(self) -> int:
+        return sum(s.num_thinking_tokens for s in self.steps)
+
     def training_samples(self) -> list[TrainingSample]:
         if self.reward is None:
             raise ValueError(f"trajectory {self.trajectory_id} has no reward yet; grade it first")
@@ -142,7 +149,7 @@ class Trajectory:
         d["segments"] = [s.to_dict() for s in self.segments]
         d["steps"] = [asdict(s) for s in self.steps]
         d["summary"] = {"turns": self.num_turns, "tool_calls": self.num_tool_calls,
-                        "model_tokens": self.num_model_tokens}
+                        "model_tokens": self.num_model_tokens, "thinking_tokens": self.num_thinking_tokens}
         return d
 
     @classmethod
