@@ -311,14 +311,35 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[Override]) -> d
                 raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from None
         node = data
         for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):  # `env.sources.0.weight=2`: an item of a list of sections
+                node = node[_list_index(node, part, override, parts[:i])]
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {override!r}: {'.'.join(parts[:i + 1])} is not a section")
+                continue
             child = node.get(part)
             if child is None:  # e.g. `model.rope_scaling.factor=2` where rope_scaling is null
                 child = node[part] = {}
+            elif isinstance(child, (list, tuple)) and parts[i + 1].lstrip("-").isdigit():
+                child = node[part] = [copy.deepcopy(dict(c)) if isinstance(c, Mapping) else c for c in child]
             elif not isinstance(child, dict):
                 raise ConfigError(f"override {override!r}: {'.'.join(parts[:i + 1])} is not a section")
             node = child
-        node[parts[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(node, parts[-1], override, parts[:-1])] = value
+        else:
+            node[parts[-1]] = value
     return data
+
+
+def _list_index(items: list, part: str, override: Any, where: list[str]) -> int:
+    try:
+        index = int(part)
+    except ValueError:
+        raise ConfigError(f"override {override!r}: {'.'.join(where)} is a list; expected an item index, got "
+                          f"{part!r}") from None
+    if not -len(items) <= index < len(items):
+        raise ConfigError(f"override {override!r}: {'.'.join(where)} has {len(items)} items, no item {index}")
+    return index
 
 
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

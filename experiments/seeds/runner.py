@@ -81,6 +81,7 @@ def build_command(target: list[str], seed: int, run_dir: Path) -> tuple[list[str
     if head == "demo":
         if any(a in ("--seed", "--out") or a.startswith(("--seed=", "--out=")) for a in rest):
             raise ValueError("demo: --seed and --out are set by the seed runner (use --seeds and --out)")
+        rest = [a.replace("{seed}", str(seed)) for a in rest]  # e.g. --sft-from runs/seeds/demo/seed-{seed}
         return [sys.executable, "-m", "experiments.demo", "--seed", str(seed), "--out", str(run_dir), *rest], "demo"
     if re.fullmatch(r"(?:ablation)?\d\d(?:_\w+)?", head):
         folder = ablation_dir(head)

@@ -376,7 +376,7 @@ class RolloutWorker:
         self.ray, self.cfg, self.env_workers, self.prompts, self.worker_id = ray, cfg, env_workers, prompts, worker_id
         self.renderer = None
         detok = None
-        if cfg.env.kind in ("ladder", "text"):
+        if cfg.env.kind in ("ladder", "text", "suite"):
             from c2jax.rl.harness import ChatRenderer
 
             self.renderer = ChatRenderer(chat_tokenizer(cfg.env.tokenizer))
@@ -565,6 +565,36 @@ def eval_scores(rewards, scores, k: int, success_threshold: float, prompt_ids=No
         if len(prompt_ids) != rw.shape[0]:
             raise ValueError(f"{len(prompt_ids)} prompt ids for {rw.shape[0]} rows of rewards")
         out["per_prompt"] = {pid: {key: v[i] for key, v in per.items()} for i, pid in enumerate(prompt_ids)}
+    return out
+
+
+def eval_breakdown(per_prompt: dict, categories: dict[str, str], sources: dict[str, str] | None = None, *,
+                   n_boot: int = 2000, alpha: float = 0.05, seed: int = 0) -> dict[str, float]:
+    """`c2jax eval`'s figures for an online eval (rl/eval/summary.py): every metric of `per_prompt` with a
+    percentile-bootstrap interval over prompts (`{metric}/ci_low`, `/ci_high`), and the same per category
+    (`category/{name}/{metric}`, with `/ci_low`, `/ci_high`, `/prompts`) and per source."""
+    from c2jax.rl.eval.metrics import bootstrap_ci
+
+    def block(prefix: str, pids: list[str]) -> dict[str, float]:
+        out: dict[str, float] = {f"{prefix}prompts": float(len(pids))} if prefix else {}
+        for metric in per_prompt[pids[0]]:
+            values = [per_prompt[p][metric] for p in pids]
+            lo, hi = bootstrap_ci(values, n_boot=n_boot, alpha=alpha, seed=seed)
+            if prefix:
+                out[f"{prefix}{metric}"] = float(np.mean(values))
+            out[f"{prefix}{metric}/ci_low"], out[f"{prefix}{metric}/ci_high"] = float(lo), float(hi)
+        return out
+
+    pids = list(per_prompt)
+    if not pids:
+        return {}
+    out = block("", pids)
+    for key, labels in (("category", categories), ("source", sources or {})):
+        names = sorted({labels.get(p, "") for p in pids} - {""})
+        if key == "source" and len(names) < 2:
+            continue  # one source: its figures are the overall ones
+        for name in names:
+            out |= block(f"{key}/{name}/", [p for p in pids if labels.get(p) == name])
     return out
 
 

@@ -76,6 +76,67 @@ class WeightSyncConfig:
             raise ConfigError(f"weight_sync.keep_full must be >= 1, got {self.keep_full}")
 
 
+SPLITS = ("hash", "train", "held_out", "metadata")
+
+
+@dataclass(frozen=True)
+class LadderSourceConfig:
+    """A generated ladder (rl/tasks/ladder.py) written as task directories under the run dir: train tasks from
+    the run's seed, held-out tasks from seed + 1000 (their ids end in -heldout), train tasks identical to a
+    held-out one left out."""
+
+    rungs: tuple[str, ...] = ("answer",)
+    per_rung: int = 8
+    lookup_keys: int = 2
+
+
+@dataclass(frozen=True)
+class TaskSourceConfig:
+    """One source of an `env.kind: suite` run: a path (a directory of task directories of any layout c2jax eval
+    loads: ours, Harbor, Terminal-Bench 1, a pinned c2bench directory; or a SWE-bench `.json`/`.jsonl` file
+    with `repos` or an image store) or a generated `ladder`; its sampling `weight` among the sources; the
+    `category` its tasks are reported under ("" = each task's own category); and how its tasks split into
+    train and held-out:
+    `hash`: a task is held out when sha256(seed-free task id) falls below `held_out_fraction` (deterministic,
+    disjoint, stable when tasks are added); `train` / `held_out`: every task; `metadata`: the task's own
+    split field (`c2jax tasks build` writes train / eval; eval is held out). `held_out_ids`: a file of task ids
+    (one per line) held out instead of the hash."""
+
+    path: str = ""
+    ladder: LadderSourceConfig | None = None
+    name: str = ""  # how logs name the source; "" = the path's last component (or "ladder")
+    weight: float = 1.0
+    category: str = ""
+    split: Literal["hash", "train", "held_out", "metadata"] = "hash"
+    held_out_fraction: float = 0.2
+    held_out_ids: str = ""
+    categories: tuple[str, ...] = ()  # keep only tasks of these categories (the task's own); () = all
+    max_tasks: int = 0  # keep the first N train tasks (by id); 0 = all
+    repos: str = ""  # SWE-bench: a directory holding each instance's repository (one per instance_id)
+    image_store: str = ""  # SWE-bench: the image store holding instance images ("" = $C2JAX_IMAGE_STORE)
+
+    def __post_init__(self):
+        if bool(self.path) == (self.ladder is not None):
+            raise ConfigError("a task source needs exactly one of path (task dirs, c2bench dir, SWE-bench file) "
+                              "and ladder (a generated ladder)")
+        if not self.weight > 0:
+            raise ConfigError(f"task source {self.label}: weight must be > 0, got {self.weight}")
+        if not 0.0 <= self.held_out_fraction < 1.0:
+            raise ConfigError(f"task source {self.label}: held_out_fraction must be in [0, 1), got "
+                              f"{self.held_out_fraction}")
+        if self.max_tasks < 0:
+            raise ConfigError(f"task source {self.label}: max_tasks must be >= 0, got {self.max_tasks}")
+        if self.ladder is not None and self.split != "hash":
+            raise ConfigError(f"task source {self.label}: a ladder source splits itself (held-out tasks from "
+                              "seed + 1000); leave split unset")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return "ladder" if self.ladder is not None else (Path(self.path).name or self.path)
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """`target`: single-turn, reward = fraction of generated tokens equal to `target_token` (a learnable
@@ -85,7 +146,13 @@ class EnvConfig:
     message with the chat template or as raw text (`text_template`); the answer is compared with `reference`
     (`text_match`). `tokenizer` picks the chat tokenizer of the `ladder` and `text` environments."""
 
-    kind: Literal["target", "ladder", "text"] = "target"
+    kind: Literal["target", "ladder", "text", "suite"] = "target"
+    # suite: the task sources (TaskSourceConfig); `ladder` is the suite of one generated ladder source
+    sources: tuple[TaskSourceConfig, ...] = ()
+    # suite: how task directories reach environment workers: `path`, the sources' paths (the same machine, or
+    # storage every node mounts at the same path; a worker that cannot see one fails at start naming it);
+    # `ship`, each task directory packed once into the Ray object store and unpacked per environment worker
+    task_transfer: Literal["path", "ship"] = "path"
     # the chat tokenizer of `ladder` and `text` (prompts, tool results, grading, the eval checkpoint agent):
     # "" = the byte-level tokenizer (256 byte tokens + the chat special tokens, 264 ids); otherwise a Hugging
     # Face `tokenizers` JSON file (tokenizer.json) or a directory holding one, e.g. a trained BPE; or
@@ -132,18 +199,86 @@ class EnvConfig:
     def __post_init__(self):
         if self.delay_s < 0 or self.delay_sigma < 0:
             raise ConfigError(f"env.delay_s and env.delay_sigma must be >= 0, got {self.delay_s}, {self.delay_sigma}")
+        if self.kind == "suite" and not self.sources:
+            raise ConfigError("env.kind=suite needs env.sources: a list of {path: DIR or SWE-bench file} or "
+                              "{ladder: {rungs, per_rung}} entries")
+        if self.sources and self.kind != "suite":
+            raise ConfigError(f"env.sources is set but env.kind={self.kind}; set env.kind=suite")
+        labels = [s.label for s in self.sources]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"env.sources: two sources share a name {sorted(labels)}; give each a distinct `name`")
         if self.kind == "text" and not (self.text_tasks and self.text_eval_tasks):
             raise ConfigError("env.kind=text needs env.text_tasks and env.text_eval_tasks (JSONL files of "
                               '{"id", "prompt", "reference"})')
 
 
+HARDNESS = ("tokens", "turns", "thinking_tokens")
+
+
+@dataclass(frozen=True)
+class CurriculumStage:
+    """From learner step `start_step` on, upsample by `by` with `strength` (0: uniform over live tasks)."""
+
+    start_step: int = 0
+    by: Literal["turns", "tokens", "thinking_tokens"] = "tokens"
+    strength: float = 1.0
+
+    def __post_init__(self):
+        if self.start_step < 0 or self.strength < 0:
+            raise ConfigError(f"curriculum stage: start_step and strength must be >= 0, got {self.start_step}, "
+                              f"{self.strength}")
+
+
+@dataclass(frozen=True)
+class DifficultyFilterConfig:
+    """The online pass-rate filter: a task whose solve rate over its last `window` groups (at least
+    `min_groups` of them) is <= `low` or >= `high` stops being sampled; with probability `reprobe_rate` a
+    dispatch re-probes a filtered task instead, so a task the policy now partly solves (or forgot) comes back.
+    A sample is solved when its verdict >= eval.success_threshold."""
+
+    enabled: bool = False
+    window: int = 4
+    min_groups: int = 2
+    low: float = 0.0
+    high: float = 1.0
+    reprobe_rate: float = 0.05
+
+    def __post_init__(self):
+        if self.window < 1 or not 1 <= self.min_groups <= self.window:
+            raise ConfigError(f"curriculum.filter: need window >= 1 and 1 <= min_groups <= window, got "
+                              f"{self.window}, {self.min_groups}")
+        if not 0.0 <= self.low < self.high <= 1.0:
+            raise ConfigError(f"curriculum.filter: need 0 <= low < high <= 1, got {self.low}, {self.high}")
+        if not 0.0 <= self.reprobe_rate <= 1.0:
+            raise ConfigError(f"curriculum.filter.reprobe_rate must be in [0, 1], got {self.reprobe_rate}")
+
+
 @dataclass(frozen=True)
 class CurriculumConfig:
     enabled: bool = True
-    by: Literal["turns", "tokens"] = "tokens"  # hardness signal of recent rollouts (the report's heuristic)
+    by: Literal["turns", "tokens", "thinking_tokens"] = "tokens"  # hardness signal of recent rollouts (the report's)
     window: int = 8  # recent groups remembered per prompt
     strength: float = 1.0  # weight = (1 + hardness / mean hardness) ** strength
     skip_zero_variance: bool = False  # drop groups whose G rewards are equal (they carry no gradient)
+    # the report's later-stage upsampling: from each stage's start_step on, its `by` and `strength` replace the
+    # ones above (which hold until the first stage starts); () = one stage
+    stages: tuple[CurriculumStage, ...] = ()
+    filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)
+
+    def __post_init__(self):
+        if self.window < 1 or self.strength < 0:
+            raise ConfigError(f"curriculum: need window >= 1 and strength >= 0, got {self.window}, {self.strength}")
+        starts = [s.start_step for s in self.stages]
+        if starts != sorted(set(starts)):
+            raise ConfigError(f"curriculum.stages: start_step must increase strictly, got {starts}")
+
+    def stage(self, step: int) -> tuple[str, float]:
+        """(by, strength) in force at learner step `step`."""
+        by, strength = self.by, self.strength
+        for s in self.stages:
+            if step >= s.start_step:
+                by, strength = s.by, s.strength
+        return by, strength
 
 
 @dataclass(frozen=True)

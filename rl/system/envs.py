@@ -218,9 +218,11 @@ class EnvironmentHost:
 
     def __init__(self, cfg: EnvConfig, tasks: dict | None = None):
         self.cfg = cfg
-        # ladder: task id -> task directory; text: task id -> reference answer
-        self.task_dirs = dict(tasks or {}) if cfg.kind == "ladder" else {}
+        # ladder / suite: task id -> Task (or its directory, or a shipped one: rl/system/suite.ship_tasks);
+        # text: task id -> reference answer
+        self.task_dirs = dict(tasks or {}) if cfg.kind in ("ladder", "suite") else {}
         self.references = dict(tasks or {}) if cfg.kind == "text" else {}
+        self._shipped = None
         self._renderer = None
         self._tasks: dict = {}
         self._sandboxes: dict[str, Sandbox] = {}
@@ -262,8 +264,29 @@ class EnvironmentHost:
         if task_id not in self._tasks:
             if task_id not in self.task_dirs:
                 raise KeyError(f"unknown task {task_id!r}")
-            self._tasks[task_id] = load_task(self.task_dirs[task_id])
+            entry = self.task_dirs[task_id]
+            if isinstance(entry, tuple) and entry and entry[0] == "shipped":
+                from c2jax.rl.system.suite import ShippedTasks
+
+                with self._sandbox_lock:
+                    if self._shipped is None:
+                        self._shipped = ShippedTasks()
+                self._tasks[task_id] = self._shipped.load(task_id, entry[1], entry[2])
+            elif isinstance(entry, (str, Path)):
+                self._tasks[task_id] = load_task(entry)
+            else:  # a Task the driver loaded (its paths must be visible here: env.task_transfer=path)
+                self._tasks[task_id] = entry
         return self._tasks[task_id]
+
+    def check_tasks(self) -> dict:
+        """What this worker sees of its tasks: {"host", "missing": paths it cannot see (task_transfer=path on
+        a node without the shared storage)}."""
+        import socket
+
+        from c2jax.rl.system.suite import unseen_paths
+
+        return {"host": socket.gethostname(), "missing": unseen_paths(self.task_dirs)[:5],
+                "tasks": len(self.task_dirs)}
 
     def _factory(self):
         from c2jax.rl.tasks.build import sandbox_factory
@@ -420,14 +443,18 @@ def run_target_group(generate, env_call, prompt: list[int], cfg: EnvConfig, grou
 
 def episode_effort(traj) -> dict[str, float]:
     """The effort counts of Composer 2's length penalty (rl/length_penalty.EFFORT_FIELDS) for one agentic episode:
-    tokens sampled in turns that called tools (`tool_call_tokens`: the harness has no separate thinking channel,
-    so prose before a call counts here) and in turns that did not (`final_message_tokens`), tokens the environment
+    tokens sampled inside <think> blocks (`thinking_tokens`), the other tokens sampled in turns that called tools
+    (`tool_call_tokens`) and in turns that did not (`final_message_tokens`), tokens the environment
     inserted after the first prompt (`tool_output_tokens`: tool results and their chat markup), tool calls, turns."""
     inserted = sum(len(seg.token_ids) - seg.num_prompt_tokens - sum(seg.loss_mask) for seg in traj.segments
                    if seg.token_ids)
-    return {"thinking_tokens": 0.0,
-            "tool_call_tokens": float(sum(s.num_new_tokens for s in traj.steps if s.tool_calls)),
-            "final_message_tokens": float(sum(s.num_new_tokens for s in traj.steps if not s.tool_calls)),
+
+    def visible(s) -> int:  # a turn's sampled tokens outside its <think> block
+        return s.num_new_tokens - getattr(s, "num_thinking_tokens", 0)
+
+    return {"thinking_tokens": float(sum(getattr(s, "num_thinking_tokens", 0) for s in traj.steps)),
+            "tool_call_tokens": float(sum(visible(s) for s in traj.steps if s.tool_calls)),
+            "final_message_tokens": float(sum(visible(s) for s in traj.steps if not s.tool_calls)),
             "tool_output_tokens": float(max(0, inserted)), "tool_calls": float(traj.num_tool_calls),
             "turns": float(traj.num_turns)}
 
@@ -481,6 +508,7 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
                 for s in traj.segments if s.token_ids]
         verdict = float(traj.reward)
         reward, penalty = shaped_reward(verdict, traj, reward_cfg)
+        thinking = int(sum(getattr(s, "num_thinking_tokens", 0) for s in traj.steps))
         return Rollout(seqs, reward, traj.finish_reason, None, traj.num_turns, traj.num_model_tokens, attempt,
-                       correctness=verdict, length_penalty=penalty)
+                       correctness=verdict, length_penalty=penalty, thinking_tokens=thinking)
     return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1)

@@ -35,6 +35,8 @@ class Rollout:
     # the length penalty already subtracted from `reward` (RLConfig.reward.length_penalty), so a group-level gate
     # can give it back (Group.gate_length_penalty)
     length_penalty: float = 0.0
+    # sampled tokens inside <think> blocks (the harness counts them; the curriculum's thinking_tokens signal)
+    thinking_tokens: int = 0
 
     @property
     def errored(self) -> bool:

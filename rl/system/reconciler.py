@@ -37,7 +37,6 @@ from c2jax.rl.system.config import RLSystemConfig
 from c2jax.rl.system.curriculum import Curriculum
 from c2jax.rl.system.envs import (
     chat_tokenizer,
-    ladder_splits,
     load_text_tasks,
     target_prompts,
     text_prompts,
@@ -103,17 +102,23 @@ class Reconciler:
             refs = {t["id"]: t["reference"] for t in train + held}
             template = cfg.env.text_template
             return text_prompts(train, renderer, template), text_prompts(held, renderer, template), refs
-        train, held = ladder_splits(cfg.env, self.run_dir / "tasks", cfg.seed)
-        held = dict(list(held.items())[: cfg.env.eval_prompts])
-        from c2jax.rl.tasks.task import load_task
+        # ladder and suite: task directories of every source (the ladder is one generated source)
+        from c2jax.rl.system.suite import load_taskset, ship_tasks
 
-        def instructions(paths):
-            return {tid: load_task(p).prompt(cfg.env.prompt_level) for tid, p in paths.items()}
-
-        clash = set(train) & set(held)
-        if clash:  # one id -> one directory: a shared id would grade a train episode against a held-out task
-            raise ValueError(f"ladder task ids occur in both the train and held-out splits: {sorted(clash)[:5]}")
-        return instructions(train), instructions(held), {**train, **held}
+        taskset = load_taskset(cfg.env, self.run_dir, cfg.seed)
+        self.taskset = taskset
+        for note in taskset.notes:
+            print(f"tasks: {note}", flush=True)
+        held = dict(list(taskset.held_out.items())[: cfg.env.eval_prompts])
+        if cfg.eval.every > 0 and not held:
+            raise ValueError("eval.every > 0 but the task sources hold no held-out task (give a source "
+                             "held_out_fraction > 0, held_out_ids, or split: held_out)")
+        self.task_meta = {tid: (st.source, st.category) for tid, st in {**taskset.train, **held}.items()}
+        tasks = {tid: st.task for tid, st in {**taskset.train, **held}.items()}
+        if cfg.env.kind == "suite" and cfg.env.task_transfer == "ship":
+            tasks = ship_tasks(tasks)
+        return ({tid: st.instruction for tid, st in taskset.train.items()},
+                {tid: st.instruction for tid, st in held.items()}, tasks)
 
     def start(self) -> None:
         import ray
@@ -154,7 +159,19 @@ class Reconciler:
             self.eval_ref = self.evaluator.evaluate.remote(list(self.eval_prompts), cfg.eval.k,
                                                            self.chain.payloads(), self.version)
         self.store = GroupStore(self.run_dir)
-        self.curriculum = Curriculum(list(self.train_prompts), cfg.curriculum, cfg.seed + self.version)
+        self.task_meta = getattr(self, "task_meta", {})
+        self.curriculum = Curriculum(list(self.train_prompts), cfg.curriculum, cfg.seed + self.version,
+                                     sources={p: m[0] for p, m in self.task_meta.items()},
+                                     source_weights=getattr(self, "taskset", None) and self.taskset.weights,
+                                     success_threshold=cfg.eval.success_threshold)
+        self.window_stats: list[dict] = []  # per returned group since the last logged step (by source / category)
+        if cfg.env.kind == "suite" and cfg.env.task_transfer == "path":
+            # every environment worker must see the task paths (the same machine, or shared storage)
+            for info in ray.get([w.check_tasks.remote() for w in self.env_workers], timeout=sc.call_timeout_s):
+                if info["missing"]:
+                    raise ValueError(f"environment worker on {info['host']} cannot see task paths "
+                                     f"{info['missing']} (env.task_transfer=path needs them on storage every node "
+                                     "mounts at the same path; or set env.task_transfer=ship)")
         if cfg.resume:
             pending = self.store.pending(self.version)
             self.ready.extend(pending)
@@ -182,7 +199,7 @@ class Reconciler:
             else:
                 n = self.counts["groups_dispatched"]
                 spec = {"group_id": f"v{self.version}-{uuid.uuid4().hex[:10]}",
-                        "prompt_id": self.curriculum.next_prompt(),
+                        "prompt_id": self.curriculum.next_prompt(self.version),
                         "seed": self.cfg.seed * 1_000_003 + self.start_version * 10_007 + n, "attempt": 0}
                 self.counts["groups_dispatched"] += 1
             w = max(self.free_slots, key=lambda i: (self.free_slots[i], -i))  # the least loaded worker
@@ -266,8 +283,7 @@ class Reconciler:
             return
         self.failed_in_row = 0
         group.gate_length_penalty(self.cfg.rl.reward.length_penalty)
-        self.curriculum.observe(group.prompt_id, np.mean([r.turns for r in group.rollouts]),
-                                np.mean([r.model_tokens for r in group.rollouts]))
+        self._observe(group)
         if self.cfg.curriculum.skip_zero_variance and group.zero_variance:
             self.counts["groups_skipped_zero_variance"] += 1
             self.staleness.on_skipped()
@@ -277,6 +293,48 @@ class Reconciler:
         group.with_advantages(self.cfg.rl.advantage)
         self.store.put(group)  # fsynced before it can be trained: a crash never loses a finished group
         self.ready.append(group)
+
+    def _observe(self, group: Group) -> None:
+        """Curriculum and filter bookkeeping of one graded group, and its row of the per-source / category stats."""
+        rs = group.rollouts
+        solve = float(np.mean([r.verdict >= self.cfg.eval.success_threshold for r in rs]))
+        turns, tokens = float(np.mean([r.turns for r in rs])), float(np.mean([r.model_tokens for r in rs]))
+        thinking = float(np.mean([r.thinking_tokens for r in rs]))
+        self.curriculum.observe(group.prompt_id, turns, tokens, thinking, solve_rate=solve)
+        for ev in self.curriculum.take_events():
+            # the filter says what it does: printed, and noted in groups.jsonl next to the groups
+            print(f"filter: task {ev['prompt_id']} (source {ev['source'] or '-'}) {ev['event']}: solve rate "
+                  f"{ev['solve_rate']:.2f} over its last {ev['groups']} groups", flush=True)
+            self.store.note(f"filter_{ev['event']}", **{k: v for k, v in ev.items() if k != "event"})
+            self.counts[f"tasks_{ev['event']}"] += 1
+        source, category = self.task_meta.get(group.prompt_id, ("", ""))
+        self.window_stats.append({"source": source, "category": category, "solve_rate": solve, "turns": turns,
+                                  "tokens": tokens, "thinking_tokens": thinking})
+
+    def _suite_rows(self) -> dict[str, float]:
+        """Per source and category: tasks live / filtered (now) and, over the groups returned since the last
+        logged step, groups, solve rate, mean turns, model tokens, thinking tokens."""
+        if not self.task_meta:
+            return {}
+        row: dict[str, float] = {}
+        live = self.curriculum.live_counts()
+        cat_of = {p: self.task_meta[p][1] for p in self.curriculum.prompt_ids if p in self.task_meta}
+        for source, (n_live, n_filtered) in live.items():
+            row[f"source/{source}/tasks_live"], row[f"source/{source}/tasks_filtered"] = n_live, n_filtered
+        for cat in sorted(set(cat_of.values())):
+            ids = [p for p, c in cat_of.items() if c == cat]
+            n_f = sum(p in self.curriculum.filtered for p in ids)
+            row[f"category/{cat}/tasks_live"], row[f"category/{cat}/tasks_filtered"] = len(ids) - n_f, n_f
+        for key in ("source", "category"):
+            by: dict[str, list[dict]] = collections.defaultdict(list)
+            for st in self.window_stats:
+                by[st[key]].append(st)
+            for name, sts in by.items():
+                row[f"{key}/{name}/groups"] = len(sts)
+                for stat in ("solve_rate", "turns", "tokens", "thinking_tokens"):
+                    row[f"{key}/{name}/{stat}"] = float(np.mean([st[stat] for st in sts]))
+        self.window_stats = []
+        return row
 
     def _on_group_failed(self, spec: dict, why: str) -> None:
         if self._given_learner is None and self.cfg.learner.num_processes > 1:
@@ -394,6 +452,11 @@ class Reconciler:
             self.eval_ref = None
             self._launch_eval()
         version = int(res.pop("version"))
+        if self.task_meta and "per_prompt" in res:
+            from c2jax.rl.system.actors import eval_breakdown
+
+            res.update(eval_breakdown(res["per_prompt"], {p: m[1] for p, m in self.task_meta.items()},
+                                      {p: m[0] for p, m in self.task_meta.items()}, seed=self.cfg.seed))
         self.eval_history.append({"step": version, **res})
         self.metrics.write(version, {k: v for k, v in res.items() if k != "per_prompt"}, kind="eval")
 
@@ -410,7 +473,8 @@ class Reconciler:
                "throughput/tokens_per_s": self.counts["tokens_trained"] / wall,
                "throughput/samples_per_s": self.counts["samples_trained"] / wall,
                "throughput/steps_per_s": steps / wall, "learner/busy_fraction": self.learner_busy_s / wall,
-               "time/wall_s": wall, **{f"count/{k}": float(v) for k, v in self.counts.items()}}
+               "time/wall_s": wall, **{f"count/{k}": float(v) for k, v in self.counts.items()},
+               **self._suite_rows()}
         lat = getattr(self, "last_worker_info", {}).get("sync_latency_s")
         if lat is not None:
             row["sync/latency_s"] = lat
@@ -466,7 +530,9 @@ class Reconciler:
                 "retry_at_end": len(self.retry), "ready_at_end": len(self.ready),
                 "counts": dict(self.counts), "staleness": {"dropped": self.staleness.dropped,
                                                            "requeued": self.staleness.requeued},
-                "history": self.history, "eval": self.eval_history, "learner_restarts": self.restarts}
+                "history": self.history, "eval": self.eval_history, "learner_restarts": self.restarts,
+                **({"tasks": self.taskset.summary(), "filtered_at_end": sorted(self.curriculum.filtered)}
+                   if getattr(self, "taskset", None) is not None else {})}
 
     def _call_each_worker(self, method: str, *args) -> list:
         """One call per rollout worker, waiting out a worker Ray is still restarting.
