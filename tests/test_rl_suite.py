@@ -305,6 +305,8 @@ def test_async_run_over_a_mixed_suite_filters_and_logs_per_source(ray_local, lad
     rows = [json.loads(line) for line in (cfg.run_dir / "groups.jsonl").read_text().splitlines()]
     ids = {r["prompt_id"] for r in rows if "prompt_id" in r and r.get("rollouts")}
     assert any(i.startswith("ladder-lookup") for i in ids)
+    # each episode says how its environment was made: the ladder and Harbor tasks here all run in bwrap
+    assert {x["env_kind"] for r in rows if r.get("rollouts") for x in r["rollouts"]} == {"bwrap"}
     events = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
     filtered = [e for e in events if e["event"] == "filter_filtered"]
     harbor_ids = {p.name for p in HARBOR.iterdir()}

@@ -132,7 +132,7 @@ def token_counts(traj: Trajectory, encode: Callable[[str], list[int]] | None) ->
 
 
 def _sample_fields(counts: dict[str, Any]) -> dict[str, Any]:
-    """The counts SampleResult has fields for (it stores no thinking_tokens yet; they flow in once it does)."""
+    """The counts SampleResult has fields for."""
     names = {f.name for f in dataclasses.fields(SampleResult)}
     return {k: v for k, v in counts.items() if k in names}
 

@@ -35,6 +35,7 @@ class SampleResult:
     completion_tokens: int = 0
     input_tokens: int = 0  # sum over turns of the context the model read (no cache discount)
     tool_output_tokens: int = 0
+    thinking_tokens: int = 0  # sampled inside <think> blocks (part of completion_tokens)
     tokens_estimated: bool = False  # counts from characters / 4 where the agent reported none
     turns: int = 0
     tool_calls: int = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 import time
 import traceback
@@ -285,7 +286,7 @@ class EnvironmentHost:
 
         from c2jax.rl.system.suite import unseen_paths
 
-        return {"host": socket.gethostname(), "missing": unseen_paths(self.task_dirs)[:5],
+        return {"host": socket.gethostname(), "pid": os.getpid(), "missing": unseen_paths(self.task_dirs)[:5],
                 "tasks": len(self.task_dirs)}
 
     def _factory(self):
@@ -309,7 +310,8 @@ class EnvironmentHost:
             self._sandboxes[sid] = sandbox
         env = task.environment
         return {"sid": sid, "workdir": sandbox.workdir, "network": bool(sandbox.network),
-                "agent_timeout_s": env.agent_timeout_s if env is not None else None}
+                "agent_timeout_s": env.agent_timeout_s if env is not None else None,
+                "kind": environment_kind(task, sandbox)}
 
     def sandbox_call(self, sid: str, method: str, args: tuple, kwargs: dict):
         if sid not in self._sandboxes:
@@ -345,6 +347,22 @@ class EnvironmentHost:
         return out
 
 
+def environment_kind(task, sandbox) -> str:
+    """How an episode's environment was made, for logs and per-kind counts: `bwrap` / `local` over a task
+    repository, `oci-image` / `dockerfile` (a saved image, a Dockerfile built over a store image) in bwrap over the
+    image's rootfs, or `engine:NAME` (a Docker / Podman container)."""
+    env = task.environment
+    name = type(sandbox).__name__
+    if name == "EngineSandbox":
+        engine = getattr(sandbox, "engine", None)
+        return f"engine:{getattr(engine, 'name', 'docker')}"
+    if env is not None and env.dockerfile is not None:
+        return "dockerfile"
+    if env is not None and env.image is not None:
+        return "oci-image"
+    return {"BwrapSandbox": "bwrap", "LocalSandbox": "local"}.get(name, name)
+
+
 # ---------------------------------------------------------------------------------- rollout-worker side
 class RemoteSandbox(Sandbox):
     """The Sandbox interface, each call forwarded to an environment worker (with a timeout)."""
@@ -356,6 +374,7 @@ class RemoteSandbox(Sandbox):
         self.workdir: str = opened["workdir"]  # where the task's workspace is inside the sandbox
         self.network: bool = opened["network"]
         self.agent_timeout_s: float | None = opened["agent_timeout_s"]  # the task's [agent].timeout_sec
+        self.kind: str = opened.get("kind", "")  # environment_kind on the environment worker
 
     def _fwd(self, method, *args, **kwargs):
         return self._call("sandbox_call", self.sid, method, args, kwargs)
@@ -479,11 +498,12 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
     from c2jax.rl.harness import EpisodeTask, SamplerAgent, default_registry, run_episode
     from c2jax.rl.harness.episode import with_agent_timeout
 
-    error = None
+    error, kind = None, ""
     for attempt in range(1, max_retries + 2):
         sandbox = None
         try:
             sandbox = RemoteSandbox(env_call, task_id)
+            kind = sandbox.kind
             agent = SamplerAgent(policy, renderer, temperature=cfg.temperature)
 
             def reward_fn(_sandbox, traj):
@@ -510,5 +530,5 @@ def run_ladder_episode(policy, renderer, env_call, task_id: str, instruction: st
         reward, penalty = shaped_reward(verdict, traj, reward_cfg)
         thinking = int(sum(getattr(s, "num_thinking_tokens", 0) for s in traj.steps))
         return Rollout(seqs, reward, traj.finish_reason, None, traj.num_turns, traj.num_model_tokens, attempt,
-                       correctness=verdict, length_penalty=penalty, thinking_tokens=thinking)
-    return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1)
+                       correctness=verdict, length_penalty=penalty, thinking_tokens=thinking, env_kind=kind)
+    return Rollout([], 0.0, "error", error, 0, 0, max_retries + 1, env_kind=kind)

@@ -37,6 +37,8 @@ class Rollout:
     length_penalty: float = 0.0
     # sampled tokens inside <think> blocks (the harness counts them; the curriculum's thinking_tokens signal)
     thinking_tokens: int = 0
+    # how the episode's environment was made (rl/system/envs.environment_kind: bwrap, oci-image, engine:docker, ...)
+    env_kind: str = ""
 
     @property
     def errored(self) -> bool:
