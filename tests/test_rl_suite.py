@@ -239,6 +239,39 @@ def test_shipped_task_dirs_are_unpacked_and_graded_on_the_worker(ray_local, tmp_
     assert host._task("renamed-id").id == "renamed-id" and host._shipped.unpacked == 1
 
 
+def test_environment_calls_wait_for_a_restarting_worker():
+    """A call to an environment worker Ray is restarting is retried until it is back (within the call timeout),
+    not failed at once: an immediate episode retry would hit the same restarting actor and fail too."""
+    from ray.exceptions import ActorUnavailableError
+
+    from c2jax.rl.system.actors import RolloutWorker
+
+    class FakeRay:
+        def __init__(self, unavailable):
+            self.unavailable, self.calls = unavailable, 0
+
+        def get(self, value, timeout):
+            self.calls += 1
+            if self.calls <= self.unavailable:
+                raise ActorUnavailableError("restarting", b"\0" * 16)
+            return value
+
+    class Env:
+        class grade_patch:  # noqa: N801 -- stands for an actor method
+            @staticmethod
+            def remote(*args):
+                return ("graded", args)
+
+    worker = RolloutWorker.__new__(RolloutWorker)
+    worker.cfg = load(RLSystemConfig, None, ["system.call_timeout_s=5"])
+    worker.ray = FakeRay(unavailable=3)
+    assert worker._env_call(Env)("grade_patch", "t", "") == ("graded", ("t", "")) and worker.ray.calls == 4
+    worker.cfg = load(RLSystemConfig, None, ["system.call_timeout_s=1"])
+    worker.ray = FakeRay(unavailable=10 ** 6)
+    with pytest.raises(ActorUnavailableError):  # still down at the timeout: the error propagates
+        worker._env_call(Env)("grade_patch", "t", "")
+
+
 # ------------------------------------------------------------------------------------------ command line
 def _args(*argv):
     from c2jax.rl.system.cli import add_parser
@@ -299,9 +332,22 @@ def test_async_run_over_a_mixed_suite_filters_and_logs_per_source(ray_local, lad
                                       "system.groups_per_step=3", "curriculum.filter.enabled=true",
                                       "curriculum.filter.window=1", "curriculum.filter.min_groups=1",
                                       "curriculum.filter.reprobe_rate=0.0", "eval.every=3", "eval.k=2",
-                                      "system.max_staleness=2", "system.call_timeout_s=300"])
-    out = run_system(cfg)
-    assert out["version"] == 3 and out["counts"].get("episodes_errored", 0) == 0
+                                      "system.max_staleness=2", "system.call_timeout_s=300",
+                                      "system.max_episode_retries=2"])
+    import ray
+
+    killed = []
+
+    def on_step(rec):  # the environment worker dies mid-run: Ray restarts it, its episodes run again
+        if rec.version == 1 and not killed:
+            killed.append(ray.get(rec.env_workers[0].check_tasks.remote())["pid"])
+            ray.kill(rec.env_workers[0], no_restart=False)
+
+    out = run_system(cfg, on_step=on_step)
+    assert killed and out["version"] == 3 and out["counts"].get("episodes_errored", 0) == 0, out["counts"]
+    c = out["counts"]
+    assert c["groups_dispatched"] == c["groups_returned"] + c.get("groups_lost", 0) + out["inflight_at_end"] + \
+        out["retry_at_end"] and c.get("groups_lost", 0) == 0
     rows = [json.loads(line) for line in (cfg.run_dir / "groups.jsonl").read_text().splitlines()]
     ids = {r["prompt_id"] for r in rows if "prompt_id" in r and r.get("rollouts")}
     assert any(i.startswith("ladder-lookup") for i in ids)

@@ -89,7 +89,8 @@ def markdown(report: dict) -> str:
         f"{f['prompt_id']} ({f['source']}, {f['solve_rate']:.2f})" for f in report["filtered"])]
     if report["eval"]:
         last = report["eval"][-1]
-        cats = sorted({k.split("/")[1] for k in last if k.startswith("category/")})
+        cats = sorted(k[len("category/"):-len("/avg@1")] for k in last
+                      if k.startswith("category/") and k.endswith("/avg@1"))
         lines += ["", f"online eval at step {last['step']}: avg@1 {last['avg@1']:.3f} "
                       f"[{last['avg@1/ci_low']:.3f}, {last['avg@1/ci_high']:.3f}]; by category: " + ", ".join(
                           f"{c} {last[f'category/{c}/avg@1']:.3f}" for c in cats)]

@@ -458,10 +458,22 @@ class RolloutWorker:
 
     # episodes -----------------------------------------------------------------------------------------
     def _env_call(self, env):
+        from ray.exceptions import ActorUnavailableError
+
         timeout = self.cfg.system.call_timeout_s
 
         def call(method, *args):
-            return self.ray.get(getattr(env, method).remote(*args), timeout=timeout)
+            # an environment worker Ray is restarting (it died) is waited for, up to the call timeout: a retry
+            # at once would fail the same way. Sandboxes it held are gone with it; their episodes run again
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    return self.ray.get(getattr(env, method).remote(*args),
+                                        timeout=max(deadline - time.monotonic(), 0.1))
+                except ActorUnavailableError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.5)
 
         return call
 
