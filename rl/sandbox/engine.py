@@ -547,19 +547,23 @@ def _client_env() -> dict[str, str]:
 
 # -------------------------------------------------------------------------------------------------- factories
 def open_image_sandbox(engine: Engine, repo, *, image_source: str | None = None, image_build: str | None = None,
-                       build_network: bool = False, **options) -> EngineSandbox:
+                       build_network: bool = False, pool=None, **options) -> EngineSandbox:
     """A container-image task's sandbox on `engine`: `image_source` a saved image of the store, or
     `image_build` a Dockerfile built by c2jax (then imported). The workspace is seeded from what the image holds
     at the working directory (options' `workdir`, default /workspace), as on the bwrap path; the image's WORKDIR
-    is not used here (task.toml / harbor_config already resolved it into `workdir`)."""
+    is not used here (task.toml / harbor_config already resolved it into `workdir`). With `pool` (an
+    `envpool.EnvironmentPool`) the build and the workspace's base snapshot are made once per process."""
+    from c2jax.rl.sandbox.envpool import open_over_snapshot
     from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV, image_cache_dir
 
     workdir = options.get("workdir", WORKSPACE)
     if image_build is not None:
         from c2jax.rl.tasks.image_build import build_image
 
-        built = build_image(image_build, store=os.environ.get(IMAGE_STORE_ENV), cache_dir=image_cache_dir(),
-                            network=build_network)
+        store = os.environ.get(IMAGE_STORE_ENV)
+        built = (pool.built_image(image_build, store=store, cache_dir=image_cache_dir(), network=build_network)
+                 if pool is not None else
+                 build_image(image_build, store=store, cache_dir=image_cache_dir(), network=build_network))
         image_id = import_built_image(engine, built)
         seed = built.rootfs / workdir.lstrip("/")
         if not seed.is_dir() or seed.is_symlink():
@@ -570,7 +574,8 @@ def open_image_sandbox(engine: Engine, repo, *, image_source: str | None = None,
     else:
         raise ValueError("open_image_sandbox needs image_source or image_build")
     del repo  # an image task's repository is what its image holds
-    return EngineSandbox(seed, engine=engine, image=image_id, **options)
+    # the seed is a tree of the content-addressed image cache (the built rootfs, or image_tree's copy)
+    return open_over_snapshot(EngineSandbox, pool, seed, immutable=True, engine=engine, image=image_id, **options)
 
 
 def engine_for_kind(kind: str) -> Engine | None:

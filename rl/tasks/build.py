@@ -115,7 +115,10 @@ class BackendFactory:
 
             return LocalSandbox(repo, allow_unisolated=True, **options)
         from c2jax.rl.sandbox.bwrap import BwrapSandbox
+        from c2jax.rl.sandbox.envpool import environment_pool, open_over_snapshot
 
+        # images and base snapshots are prepared once per process (None: $C2JAX_ENV_POOL=0, every call prepares)
+        pool = environment_pool()
         if (image_source is not None or image_build is not None) and self.kind != "bwrap":
             # docker / podman: that engine (an error when it does not run); auto: one that runs, else bwrap below
             from c2jax.rl.sandbox.engine import engine_for_kind, open_image_sandbox
@@ -123,7 +126,7 @@ class BackendFactory:
             engine = engine_for_kind(self.kind)
             if engine is not None:
                 return open_image_sandbox(engine, repo, image_source=image_source, image_build=image_build,
-                                          build_network=self.allow_network, **options)
+                                          build_network=self.allow_network, pool=pool, **options)
         if image_source is not None or image_build is not None:
             from c2jax.rl.sandbox.base import WORKSPACE
             from c2jax.rl.sandbox.oci import IMAGE_STORE_ENV, image_cache_dir, load_image
@@ -131,18 +134,21 @@ class BackendFactory:
             if image_build is not None:  # built once per content, then cached (c2jax.rl.tasks.image_build)
                 from c2jax.rl.tasks.image_build import build_image
 
-                image = build_image(image_build, store=os.environ.get(IMAGE_STORE_ENV), cache_dir=image_cache_dir(),
-                                    network=self.allow_network)
+                store = os.environ.get(IMAGE_STORE_ENV)
+                image = (pool.built_image(image_build, store=store, cache_dir=image_cache_dir(),
+                                          network=self.allow_network) if pool is not None else
+                         build_image(image_build, store=store, cache_dir=image_cache_dir(), network=self.allow_network))
             else:
-                image = load_image(image_source, image_cache_dir())
+                image = (pool.image(image_source, image_cache_dir()) if pool is not None else
+                         load_image(image_source, image_cache_dir()))
             # the workspace is what the image holds at the working directory (empty when it holds nothing)
             workdir = options.get("workdir", WORKSPACE)
             seed = image.rootfs / workdir.lstrip("/")
             if not seed.is_dir() or seed.is_symlink():
                 seed = image.rootfs.parent / "empty-workdir"
                 seed.mkdir(exist_ok=True)
-            return BwrapSandbox(seed, image=image, **options)
-        return BwrapSandbox(repo, **options)
+            return open_over_snapshot(BwrapSandbox, pool, seed, immutable=True, image=image, **options)
+        return open_over_snapshot(BwrapSandbox, pool, repo, immutable=False, **options)
 
 
 def sandbox_factory(kind: str, *, allow_network: bool = False) -> SandboxFactory:
