@@ -45,6 +45,20 @@ def run_config(args, out: Path, image_tasks: Path):
     return load(RLSystemConfig, QUICK_SUITE, [*overrides, *args.overrides])
 
 
+def pinned_share(c2bench: Path) -> dict:
+    """How many of the directory's tasks are c2bench v1 tasks exactly as pinned (sha256 of the task directory equal
+    to experiments/configs/c2bench_v1.json's row): a partial build (some libraries) is still the pinned tasks."""
+    from c2jax.rl.eval.suite import task_sha256
+    from c2jax.rl.tasks.task import load_tasks
+
+    manifest = Path(__file__).resolve().parents[1] / "configs" / "c2bench_v1.json"
+    pinned = {r["id"]: r["sha256"] for r in json.loads(manifest.read_text())["tasks"]}
+    tasks = load_tasks(c2bench)
+    same = [t.id for t in tasks if pinned.get(t.id) == task_sha256(t)]
+    return {"tasks": len(tasks), "pinned_equal": len(same), "pinned_total": len(pinned),
+            "not_pinned": sorted(t.id for t in tasks if t.id not in same)}
+
+
 def summarize(run_dir: Path, out: dict) -> dict:
     rows = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
@@ -80,7 +94,10 @@ def markdown(report: dict) -> str:
              f"{report['groups_dispatched']}, settled {report['groups_settled']}, lost {report['groups_lost']}; "
              "episodes errored "
              f"{report['episodes_errored']}; environment worker killed at step {report['killed_env_at']} "
-             f"(restarts seen: {report['env_restarts']}).", "", "| environment kind / outcome | episodes |",
+             f"(restarts seen: {report['env_restarts']}).", "",
+             f"c2bench source: {report['c2bench']['tasks']} tasks, {report['c2bench']['pinned_equal']} of them c2bench "
+             f"v1 tasks as pinned (sha256 equal to the manifest's rows; the manifest has "
+             f"{report['c2bench']['pinned_total']}).", "", "| environment kind / outcome | episodes |",
              "|---|---|"]
     lines += [f"| {k} | {n} |" for k, n in report["episodes_by_environment"].items()]
     lines += ["", "| source / category | train | held out |", "|---|---|---|"]
@@ -139,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         after = ray.get(rec.env_workers[0].check_tasks.remote(), timeout=120)["pid"]
     finally:
         rec.shutdown()
-    report = summarize(cfg.run_dir, out)
+    report = summarize(cfg.run_dir, out) | {"c2bench": pinned_share(args.c2bench)}
     report |= {"machine": f"{load0} (at start); {summary_line()} (at end)", "wall_total_s": time.time() - t0,
                "command": "python -m experiments.suites.mixed_run "
                           + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -303,7 +303,13 @@ class EnvironmentHost:
         task = self._task(task_id)
         if not task.supported:
             raise SandboxError(f"task {task_id} is unsupported: {task.unsupported_reason}")
-        sandbox, _logs = open_task_sandbox(self._factory(), task, "agent")
+        from c2jax.rl.sandbox.oci import ImageError
+        from c2jax.rl.tasks.image_build import ImageBuildError
+
+        try:
+            sandbox, _logs = open_task_sandbox(self._factory(), task, "agent")
+        except (ImageError, ImageBuildError) as e:  # they name the image's path; say which task it is too
+            raise type(e)(f"task {task_id}: {e}") from e
         with self._sandbox_lock:  # environment workers serve concurrent calls
             self._next += 1
             sid = f"sb{self._next}"
