@@ -141,6 +141,41 @@ def test_harbor_and_generated_ladder_sources_mix(tmp_path):
     assert (tmp_path / "tasks" / "gen" / "train").is_dir()  # a generated source is written as task dirs
 
 
+def test_swebench_instances_are_a_source_graded_on_the_environment_worker(tmp_path):
+    """SWE-bench instances with their repositories: a train source; the environment host grades the reference
+    patch 1 and no patch 0; shipping them is refused (no task directory), naming the way out."""
+    from c2jax.rl.system.envs import EnvironmentHost
+    from c2jax.rl.system.suite import ship_tasks
+    from c2jax.rl.tasks.patches import make_patch
+
+    repos = tmp_path / "repos"
+    for i in range(3):
+        repo = repos / f"calc__calc-{i}"
+        repo.mkdir(parents=True)
+        (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    test = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    rows = [{"instance_id": f"calc__calc-{i}", "repo": "calc/calc", "base_commit": "0" * 40,
+             "problem_statement": f"add() subtracts ({i})",
+             "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_add"]),
+             "PASS_TO_PASS": "[]", "patch": make_patch({"calc.py": "def add(a, b):\n    return a - b\n"},
+                                                        {"calc.py": "def add(a, b):\n    return a + b\n"}),
+             "test_patch": make_patch({}, {"tests/test_calc.py": test})} for i in range(3)]
+    (tmp_path / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = _suite({"path": str(tmp_path / "inst.jsonl"), "repos": str(repos), "split": "train", "category": "swe"},
+                 sandbox="local")
+    ts = load_taskset(env, tmp_path, 0)
+    assert list(ts.train) == [f"calc__calc-{i}" for i in range(3)]
+    assert {st.category for st in ts.train.values()} == {"swe"}
+    host = EnvironmentHost(env, ts.tasks())
+    task = ts.train["calc__calc-1"].task
+    assert host.grade_patch("calc__calc-1", task.solution_patch)[0] == 1.0
+    assert host.grade_patch("calc__calc-1", "")[0] == 0.0
+    with pytest.raises(SuiteSourceError, match="task_transfer=path"):
+        ship_tasks(ts.tasks())
+    with pytest.raises(SuiteSourceError, match="repositories"):  # no repos, no image store
+        load_taskset(_suite({"path": str(tmp_path / "inst.jsonl"), "split": "train"}), tmp_path, 0)
+
+
 # ------------------------------------------------------------------------------------------ curriculum
 def test_one_source_samples_exactly_as_the_report_heuristic():
     """With one source and no filter the schedule is (1 + h / mean h) ** strength over every prompt, unseen
