@@ -59,6 +59,19 @@ def pinned_share(c2bench: Path) -> dict:
             "not_pinned": sorted(t.id for t in tasks if t.id not in same)}
 
 
+def tensorboard_tags(run_dir: Path) -> dict:
+    """The scalar tags TensorBoard shows for the run, grouped: how many per-category and per-source ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for events in (run_dir / "tensorboard").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    return {"scalars": len(tags), "category": sorted(t for t in tags if "category/" in t),
+            "source": sorted(t for t in tags if "source/" in t)}
+
+
 def summarize(run_dir: Path, out: dict) -> dict:
     rows = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
@@ -102,6 +115,10 @@ def markdown(report: dict) -> str:
     lines += [f"| {k} | {n} |" for k, n in report["episodes_by_environment"].items()]
     lines += ["", "| source / category | train | held out |", "|---|---|---|"]
     lines += [f"| {k} | {v['train']} | {v['held_out']} |" for k, v in sorted(report["tasks"].items())]
+    tb = report.get("tensorboard", {})
+    if tb:
+        lines += ["", f"TensorBoard: {tb['scalars']} scalar tags, {len(tb['category'])} per category (e.g. "
+                      f"{', '.join(tb['category'][:3])}), {len(tb['source'])} per source."]
     lines += ["", f"filtered ({len(report['filtered'])}): " + ", ".join(
         f"{f['prompt_id']} ({f['source']}, {f['solve_rate']:.2f})" for f in report["filtered"])]
     if report["eval"]:
@@ -156,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         after = ray.get(rec.env_workers[0].check_tasks.remote(), timeout=120)["pid"]
     finally:
         rec.shutdown()
-    report = summarize(cfg.run_dir, out) | {"c2bench": pinned_share(args.c2bench)}
+    report = summarize(cfg.run_dir, out) | {"c2bench": pinned_share(args.c2bench),
+                                            "tensorboard": tensorboard_tags(cfg.run_dir)}
     report |= {"machine": f"{load0} (at start); {summary_line()} (at end)", "wall_total_s": time.time() - t0,
                "command": "python -m experiments.suites.mixed_run "
                           + " ".join(argv if argv is not None else sys.argv[1:]),
