@@ -119,6 +119,8 @@ def test_categories_weights_and_errors(ladder_dirs, tmp_path):
         load_taskset(_suite({"path": str(tmp_path / "nope")}), tmp_path, 0)
     with pytest.raises(SuiteSourceError, match="no train task"):
         load_taskset(_suite({"path": str(ladder_dirs / "eval"), "split": "held_out"}), tmp_path, 0)
+    with pytest.raises(SuiteSourceError, match="none of its 1 tasks can run here.*example/tb2-task"):
+        load_taskset(_suite({"path": str(HARBOR / "refused-docker-image"), "split": "train"}), tmp_path, 0)
     with pytest.raises(ConfigError, match="exactly one of path"):
         TaskSourceConfig(path="x", ladder=LadderSourceConfig())
     with pytest.raises(ConfigError, match="env.sources"):
@@ -324,7 +326,7 @@ def test_rl_tasks_command_line_builds_a_suite_run(tmp_path):
     assert cfg.env.kind == "suite" and [s.path for s in cfg.env.sources] == ["a/tasks", "b.jsonl"]
     assert cfg.env.sources[0].weight == 2.0 and cfg.env.sources[1].weight == 1.0  # an override into a list item
     assert cfg.system.steps == 7 and cfg.output_dir == str(tmp_path) and cfg.curriculum.filter.enabled
-    assert cfg.model.vocab_size >= 264 and cfg.engine.max_len >= 6144
+    assert cfg.model.vocab_size >= 264 and cfg.engine.max_len >= 12288 and cfg.env.episode.tool_schemas == "signatures"
     with pytest.raises(ConfigError, match="--tasks"):
         command_line_config(_args("--steps", "3"))
     with pytest.raises(ConfigError, match="has 1 items, no item 3"):

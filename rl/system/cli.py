@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import argparse
 
-# `c2jax rl --tasks` without --config: the byte tokenizer's system prompt (tool schemas) is ~4.9k tokens, so the
-# engine and packed rows hold 6144; everything else is the RLSystemConfig default
+# `c2jax rl --tasks` without --config: byte tokens, so a prompt costs one token per character: the short system
+# prompt (one line per tool, ~0.6k) plus task instructions of up to ~10k characters (SWE-bench problem statements
+# run that long) fit the engine's and the packed rows' 12288; everything else is the RLSystemConfig default
 QUICK_SUITE = {
     "name": "rl_suite",
-    "model": {"preset": "tiny", "moe_impl": "dense", "vocab_size": 264, "max_position_embeddings": 8192,
+    "model": {"preset": "tiny", "moe_impl": "dense", "vocab_size": 264, "max_position_embeddings": 16384,
               "num_nextn_predict_layers": 0},
     "rl": {"learning_rate": 1.0e-3, "loss": {"constant_normalizer": 256.0}},
-    "engine": {"slots": 4, "max_len": 6144, "chunk_steps": 8, "key_bucket": 512, "min_prompt_bucket": 16},
+    "engine": {"slots": 4, "max_len": 12288, "chunk_steps": 8, "key_bucket": 512, "min_prompt_bucket": 16},
     "env": {"kind": "suite", "sandbox": "bwrap", "prompt_level": "terse", "eval_prompts": 4,
             "episode": {"max_turns": 2, "max_model_tokens": 48, "max_new_tokens_per_turn": 24,
-                        "max_context_tokens": 6000, "wall_clock_s": 300.0}},
-    "system": {"steps": 5, "group_size": 2, "groups_per_step": 2, "num_rollout_workers": 2, "seq_len": 6144,
+                        "max_context_tokens": 12000, "wall_clock_s": 300.0, "tool_schemas": "signatures"}},
+    "system": {"steps": 5, "group_size": 2, "groups_per_step": 2, "num_rollout_workers": 2, "seq_len": 12288,
                "min_rows": 2, "call_timeout_s": 600.0, "group_timeout_s": 1200.0},
     "curriculum": {"by": "turns", "filter": {"enabled": True, "window": 2, "min_groups": 1}},
     "eval": {"every": 2, "k": 2},

@@ -167,6 +167,9 @@ def load_taskset(env: EnvConfig, run_dir: Path, seed: int) -> TaskSet:
                 if not tasks:
                     raise SuiteSourceError(f"task source {src.label}: no task of categories {list(src.categories)}")
             unsupported = [t for t in tasks if not t.supported]
+            if unsupported and len(unsupported) == len(tasks):
+                raise SuiteSourceError(f"task source {src.label}: none of its {len(tasks)} tasks can run here, e.g. "
+                                       f"{unsupported[0].id}: {unsupported[0].unsupported_reason}")
             if unsupported:
                 notes.append(f"{src.label}: {len(unsupported)} unsupported task(s) left out, e.g. {unsupported[0].id}: "
                              f"{unsupported[0].unsupported_reason}")
