@@ -2,8 +2,10 @@
 kind, with an explicit override (argument or environment), falling through on NotImplementedError
 (the tokamax pattern: an implementation may refuse a shape or dtype at trace time).
 
-    choose("grouped_matmul")                             -> first available for this machine
+    choose("grouped_matmul")                             -> first available for this machine (its name)
     choose("grouped_matmul", impl="pallas_triton")       -> that one (on CPU: interpreted)
+    choose("grouped_matmul", (args, kwargs), ...)        -> the first that accepts each of these calls
+    call("grouped_matmul", lhs, rhs, sizes, impl=None)   -> run the first that accepts this call
     C2JAX_KERNEL_IMPL="grouped_matmul=xla,permute_quantize=pallas_triton"   same, from the environment
 
 An implementation lists the platforms it runs on natively and, optionally, substrings of
@@ -20,6 +22,7 @@ import contextvars
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 
@@ -113,6 +116,24 @@ def candidates(op: str, impl: str | None = None, platform: str | None = None,
     if not native:
         raise ValueError(f"{op}: no implementation runs on {platform} {device_kind!r}")
     return native
+
+
+def choose(op: str, *calls: tuple[tuple, dict], impl: str | None = None) -> str:
+    """The name of the implementation `call(op, *args, impl=impl, **kwargs)` runs for every `(args, kwargs)` of
+    `calls`: the first candidate that refuses none of them (NotImplementedError while tracing each abstractly with
+    `jax.eval_shape`, so the arguments may be `jax.ShapeDtypeStruct`s). Without calls: the first candidate. Raises
+    NotImplementedError, listing the refusals, when every candidate refuses some call."""
+    refusals = []
+    for implementation, interpret in candidates(op, impl):
+        extra = {"interpret": True} if interpret else {}
+        try:
+            for args, kwargs in calls:
+                jax.eval_shape(partial(implementation.fn, **kwargs, **extra), *args)
+        except NotImplementedError as e:
+            refusals.append(f"{implementation.name}: {e}")
+            continue
+        return implementation.name
+    raise NotImplementedError(f"{op}: every implementation refused: {refusals}")
 
 
 def call(op: str, *args, impl: str | None = None, **kwargs):

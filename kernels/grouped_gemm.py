@@ -5,7 +5,8 @@
 Rows are sorted by group (group_sizes[g] consecutive rows each); rows past sum(group_sizes) give zeros.
 Implementations (kernels/dispatch.py picks the first native one; `impl=` or C2JAX_KERNEL_IMPL override):
 
-    mosaic_sm90     JAX's Hopper Mosaic-GPU ragged_dot (wgmma, TMA; H100/H200 only, GPU-only)
+    mosaic_sm90     JAX's Hopper Mosaic-GPU ragged_dot (wgmma, TMA; H100/H200; elsewhere interpret=True runs it
+                    in Pallas' Mosaic GPU interpreter, bf16 with K % 64 == 0 and N % 128 == 0)
     pallas_triton   kernels/pallas_grouped.py (any NVIDIA GPU; CPU with interpret=True)
     jax_triton      kernels/jax_triton_grouped.py (needs jax_triton + a CUDA jaxlib; never auto-chosen)
     xla             sort-free capacity-padded batched einsum below (every backend; the CPU default)
@@ -20,6 +21,7 @@ fits) with `lax.switch`: nothing is ever dropped and balanced groups pay ~1.25x 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -86,10 +88,24 @@ def grouped_matmul_xla(lhs, rhs, group_sizes, capacity_factors=(1.25, 2.0), pref
     return jax.lax.switch(index, [lambda a, b, cap=cap: at(cap, a, b) for cap in buckets], lhs, rhs)
 
 
+def _mosaic_gpu_interpreter():
+    """Pallas' Mosaic GPU interpreter (jax 0.10: private, `jax._src.pallas.mosaic_gpu.interpret`): a context under
+    which Mosaic GPU kernels traced run on the CPU, simulating shared memory, warpgroups, barriers and TMA. TMA
+    zero-fills reads past a buffer's end (the ragged_dot kernel relies on it for the last row block), so
+    out-of-bounds reads return zeros here instead of raising."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
+    except ImportError as e:  # the private module moved: say so instead of failing obscurely
+        raise RuntimeError(f"mosaic_sm90 interpret=True needs Pallas' Mosaic GPU interpreter, not found: {e}") from e
+    params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+    return force_gpu_interpret_mode(params)
+
+
 def grouped_matmul_mosaic_sm90(lhs, rhs, group_sizes, preferred_element_type=None, block_m=128, block_n=128,
-                               block_k=64, max_concurrent_steps=4, grid_block_n=1):
+                               block_k=64, max_concurrent_steps=4, grid_block_n=1, interpret=False):
     """JAX's Hopper ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu): warpgroup MMA with TMA
-    loads and a logarithmic ladder of TMA stores for the ragged tail. GPU-only (Hopper)."""
+    loads and a logarithmic ladder of TMA stores for the ragged tail. Hopper GPUs natively; with `interpret`, on
+    any backend in Pallas' Mosaic GPU interpreter (slow: ~4 s a call at 64 x 128 x 256, for equality tests)."""
     _check(lhs, rhs, group_sizes)
     k, n = lhs.shape[1], rhs.shape[2]
     if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16 or preferred_element_type not in (None, jnp.bfloat16):
@@ -98,9 +114,10 @@ def grouped_matmul_mosaic_sm90(lhs, rhs, group_sizes, preferred_element_type=Non
         raise NotImplementedError(f"mosaic_sm90 needs K % {block_k} == 0 and N % {block_n * grid_block_n} == 0")
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # GPU kernel: only imported when chosen
 
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), block_m=block_m,
-                                      block_n=block_n, block_k=block_k, max_concurrent_steps=max_concurrent_steps,
-                                      grid_block_n=grid_block_n)
+    with _mosaic_gpu_interpreter() if interpret else contextlib.nullcontext():
+        return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), block_m=block_m,
+                                          block_n=block_n, block_k=block_k,
+                                          max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n)
 
 
 def _jax_triton(lhs, rhs, group_sizes, preferred_element_type=None):
@@ -110,8 +127,8 @@ def _jax_triton(lhs, rhs, group_sizes, preferred_element_type=None):
 
 
 dispatch.register(OP, dispatch.Implementation(
-    "mosaic_sm90", grouped_matmul_mosaic_sm90, ("gpu",), ("H100", "H200", "H800", "H20"),
-    description="JAX Mosaic-GPU Hopper ragged_dot (wgmma)"))
+    "mosaic_sm90", grouped_matmul_mosaic_sm90, ("gpu",), ("H100", "H200", "H800", "H20"), interpretable=True,
+    description="JAX Mosaic-GPU Hopper ragged_dot (wgmma); elsewhere in the Mosaic GPU interpreter"))
 dispatch.register(OP, dispatch.Implementation(
     "pallas_triton", grouped_matmul_pallas, ("gpu",), interpretable=True,
     description="Pallas Triton-backend grouped GEMM (kernels/pallas_grouped.py)"))

@@ -12,6 +12,9 @@ Dispatch paths (`ModelConfig.moe_impl`):
   ragged  `jax.lax.ragged_dot` over the sorted rows. Exact grouped GEMM semantics; XLA:CPU lowers it
           to a dense masked matmul (~E x the FLOPs), so it is an oracle on CPU and a candidate on GPU.
   dense   every expert on every token, combined with a [T, E] weight matrix. The simplest oracle.
+  grouped the ragged path's grouped GEMMs run by the kernel registry (kernels/grouped_gemm.py, `moe_kernel`; a
+          custom VJP whose dlhs runs the registry too). `resolve_moe_kernel(cfg)` names the kernel it will run here;
+          tests/test_grouped_path.py checks each one against `ragged` in the training, RL and sampling steps.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from c2jax.kernels import qlinear
-from c2jax.models.config import ModelConfig
+from c2jax.models.config import ConfigError, ModelConfig
 from c2jax.models.layers import swiglu_act_grads
 from c2jax.models.moe_routing import Routing
 
@@ -74,6 +77,35 @@ def dispatch_ragged(x, routing: Routing, gate_up, down):
 def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down):
     """The ragged path with its grouped GEMMs run by the kernel registry (cfg.moe_kernel)."""
     return _grouped_ffn(x, routing, gate_up, down, partial(_registry_grouped_matmul, cfg.moe_kernel))
+
+
+def resolve_moe_kernel(cfg: ModelConfig, num_tokens: int = 128) -> ModelConfig:
+    """`cfg` with `moe_kernel` set to the grouped GEMM the kernel registry runs for moe_impl="grouped" on this device
+    (kernels.dispatch.current_device(): this process's, or `dispatch.target`'s while lowering for another): the
+    implementation `cfg.moe_kernel` names, else the one $C2JAX_KERNEL_IMPL names for grouped_matmul, else the first
+    native one that accepts all four expert GEMMs of this model at `cfg.dtype` (forward of [gate | up] and down, and
+    their dlhs in the backward; an implementation may refuse a dtype or shape, e.g. mosaic_sm90 takes bf16 with
+    K % 64 and N % 128 == 0). A run that writes this config and runs it runs exactly that kernel for every GEMM.
+    Other moe_impl values do not use the registry: `cfg` is returned unchanged. ConfigError when the named kernel
+    cannot run here or every candidate refuses a GEMM. `num_tokens` only sizes the abstract operands traced."""
+    if cfg.moe_impl != "grouped":
+        return cfg
+    from c2jax.kernels import dispatch
+    from c2jax.kernels.grouped_gemm import OP
+
+    dtype, experts = jnp.dtype(cfg.dtype), cfg.n_routed_experts
+    rows, d, f = num_tokens * cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+
+    def gemm(k, n):
+        operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct((experts, k, n), dtype),
+                    jax.ShapeDtypeStruct((experts,), jnp.int32))
+        return operands, {"preferred_element_type": dtype}
+
+    try:  # gate_up and down forward, then dlhs = dout @ rhs^T of each
+        name = dispatch.choose(OP, gemm(d, 2 * f), gemm(f, d), gemm(2 * f, d), gemm(d, f), impl=cfg.moe_kernel)
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(f"moe_impl='grouped' cannot run here (moe_kernel={cfg.moe_kernel!r}): {e}") from e
+    return cfg.replace(moe_kernel=name)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

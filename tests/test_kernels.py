@@ -220,6 +220,16 @@ def test_grouped_matmul_pallas_interpret_matches_reference(dtype):
     np.testing.assert_allclose(np.asarray(via_registry), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_matmul_mosaic_sm90_interpret_matches_reference():
+    """JAX's Hopper kernel in the Mosaic GPU interpreter: fewer rows than one 128-row block (TMA reads past the
+    end, zero-filled as on the GPU), empty groups, rows past the groups zero; bf16 output of fp32 sums."""
+    lhs, rhs, gs = grouped_operands(jnp.bfloat16, k=128, n=128)
+    ref = np.asarray(grouped_matmul_reference(lhs, rhs, gs, preferred_element_type=jnp.float32))
+    out = np.asarray(grouped_matmul(lhs, rhs, gs, impl="mosaic_sm90"), np.float32)
+    np.testing.assert_allclose(out, ref, rtol=8e-3, atol=1e-3 * np.abs(ref).max())  # bf16 eps 7.8e-3
+    assert not out[sum(GROUP_SIZES):].any()
+
+
 def test_grouped_matmul_xla_fallback_value_and_grad():
     lhs, rhs, gs = grouped_operands()
     np.testing.assert_allclose(np.asarray(grouped_matmul_xla(lhs, rhs, gs)),
@@ -255,8 +265,10 @@ def test_registry_selection_and_overrides(monkeypatch):
     assert dispatch.candidates("grouped_matmul", platform="cpu", device_kind="cpu")[0][0].name == "ragged_dot"
     with pytest.raises(ValueError, match="unknown implementation 'nope'"):
         dispatch.candidates("grouped_matmul", impl="nope")
-    with pytest.raises(ValueError, match="mosaic_sm90"):
-        dispatch.candidates("grouped_matmul", impl="mosaic_sm90", platform="cpu", device_kind="cpu")
+    impl, interpret = dispatch.candidates("grouped_matmul", impl="mosaic_sm90", platform="cpu", device_kind="cpu")[0]
+    assert impl.name == "mosaic_sm90" and interpret  # Pallas' Mosaic GPU interpreter
+    with pytest.raises(ValueError, match="jax_triton"):
+        dispatch.candidates("grouped_matmul", impl="jax_triton", platform="cpu", device_kind="cpu")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_triton") is not None, reason="jax_triton is installed")

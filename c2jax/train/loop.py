@@ -31,6 +31,7 @@ from c2jax.config import save
 from c2jax.mesh import activation_rules, batch_spec
 from c2jax.models.config import ConfigError, ModelConfig
 from c2jax.models.flops import training_flops_per_token
+from c2jax.models.moe_dispatch import resolve_moe_kernel
 from c2jax.models.transformer import Transformer, init
 from c2jax.train.checkpoint import Checkpointer
 from c2jax.train.config import PhaseConfig, PretrainConfig
@@ -122,7 +123,7 @@ def reset_moments(opt_state, fresh_opt_state):
 
 
 # ModelConfig fields a run decides even when the architecture comes from a Hugging Face checkpoint
-_EXECUTION_FIELDS = ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_dtype")
+_EXECUTION_FIELDS = ("moe_impl", "moe_kernel", "scan_layers", "remat_policy", "dtype", "param_dtype")
 
 
 def load_hf_for_pretraining(path: str | Path, run_model: ModelConfig, seed: int) -> Transformer:
@@ -170,7 +171,8 @@ class Trainer:
         self.batches, self.eval_sources = batches, eval_sources
         self._eval_steps: dict[str, Callable] = {}
         model = self._initial_model(cfg)
-        cfg = self.cfg = dataclasses.replace(cfg, model=model.cfg)  # the architecture actually trained
+        # the architecture actually trained, and for moe_impl="grouped" the kernel the registry runs on this device
+        cfg = self.cfg = dataclasses.replace(cfg, model=resolve_moe_kernel(model.cfg))
         if batches is data_batches:
             _check_vocab(cfg)
         self.run_dir = cfg.run_dir
