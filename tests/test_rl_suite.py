@@ -309,6 +309,22 @@ def test_environment_calls_wait_for_a_restarting_worker():
         worker._env_call(Env)("grade_patch", "t", "")
 
 
+def test_each_actor_resolves_the_moe_kernel_for_its_own_device(tmp_path):
+    """moe_impl=grouped: the learner and samplers pick the grouped GEMM for the device they run on (a CPU driver
+    must not decide a GPU learner's kernel) and say so in run_dir/execution.jsonl."""
+    from c2jax.kernels import dispatch
+    from c2jax.rl.system.backends import on_this_device, record_execution
+
+    cfg = load(RLSystemConfig, None, ["model.preset=tiny", "model.moe_impl=grouped", f"output_dir={tmp_path}"])
+    assert cfg.model.moe_kernel is None and on_this_device(cfg).model.moe_kernel == "xla"
+    with dispatch.target("gpu", "NVIDIA H100 80GB HBM3"):
+        assert on_this_device(cfg).model.moe_kernel == "pallas_triton"  # fp32: mosaic_sm90 takes bf16 only
+    assert on_this_device(load(RLSystemConfig, None, ["model.preset=tiny"])).model.moe_kernel is None  # not grouped
+    record_execution(on_this_device(cfg), tmp_path, "learner")
+    (row,) = [json.loads(line) for line in (tmp_path / "execution.jsonl").read_text().splitlines()]
+    assert (row["role"], row["platform"], row["moe_impl"], row["moe_kernel"]) == ("learner", "cpu", "grouped", "xla")
+
+
 # ------------------------------------------------------------------------------------------ command line
 def _args(*argv):
     from c2jax.rl.system.cli import add_parser
@@ -405,3 +421,6 @@ def test_async_run_over_a_mixed_suite_filters_and_logs_per_source(ray_local, lad
     assert evals and "category/ladder/lookup/avg@1" in evals[-1] and "avg@1/ci_high" in evals[-1]
     assert (cfg.run_dir / "tensorboard").is_dir()
     assert out["tasks"]["source/harbor"]["train"] >= 5
+    # each actor wrote what it runs on its own device (the driver cannot know a remote device's kernel)
+    roles = [json.loads(line) for line in (cfg.run_dir / "execution.jsonl").read_text().splitlines()]
+    assert {r["role"] for r in roles} == {"learner", "sampler"} and all(r["platform"] == "cpu" for r in roles)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -120,13 +121,45 @@ class FakePolicy:
         return results
 
 
+def on_this_device(cfg: RLSystemConfig) -> RLSystemConfig:
+    """`cfg` with the kernels this process runs resolved for its own device (moe_impl="grouped": the grouped GEMM
+    kernels/dispatch picks here, models.moe_dispatch.resolve_moe_kernel): each actor resolves its own, so a CPU
+    driver never picks a GPU learner's kernel."""
+    import dataclasses
+
+    from c2jax.models.moe_dispatch import resolve_moe_kernel
+
+    model = resolve_moe_kernel(cfg.model)
+    return cfg if model is cfg.model else dataclasses.replace(cfg, model=model)
+
+
+def record_execution(cfg: RLSystemConfig, run_dir: Path, role: str) -> None:
+    """What this actor runs (device, MoE implementation and kernel) in run_dir/execution.jsonl, one line per
+    actor start, next to the driver's config.yaml (which cannot know a remote device's kernel)."""
+    import json
+    import socket
+
+    from c2jax.kernels.dispatch import current_device
+
+    platform, kind = current_device()
+    row = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "platform": platform, "device_kind": kind,
+           "moe_impl": cfg.model.moe_impl, "moe_kernel": cfg.model.moe_kernel, "time": time.time()}
+    with open(Path(run_dir) / "execution.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def make_policy(cfg: RLSystemConfig, detokenize=None):
-    return FakePolicy(cfg, detokenize) if cfg.backend.policy == "fake" else EnginePolicy(cfg, detokenize)
+    if cfg.backend.policy == "fake":
+        return FakePolicy(cfg, detokenize)
+    cfg = on_this_device(cfg)
+    if cfg.run_dir.is_dir():  # the driver's run dir, where this node shares it
+        record_execution(cfg, cfg.run_dir, "sampler")
+    return EnginePolicy(cfg, detokenize)
 
 
 # ---------------------------------------------------------------------------------- initial weights
 # ModelConfig fields the RL run decides itself even when the weights come from a checkpoint
-_EXECUTION_FIELDS = ("moe_impl", "scan_layers", "remat_policy", "dtype", "param_dtype")
+_EXECUTION_FIELDS = ("moe_impl", "moe_kernel", "scan_layers", "remat_policy", "dtype", "param_dtype")
 
 
 def check_init_from(cfg: RLSystemConfig) -> str:
@@ -471,4 +504,8 @@ class FakeLearner:
 
 
 def make_learner(cfg: RLSystemConfig, run_dir: Path):
-    return FakeLearner(cfg, run_dir) if cfg.backend.learner == "fake" else RLLearner(cfg, run_dir)
+    if cfg.backend.learner == "fake":
+        return FakeLearner(cfg, run_dir)
+    cfg = on_this_device(cfg)
+    record_execution(cfg, run_dir, "learner")
+    return RLLearner(cfg, run_dir)
