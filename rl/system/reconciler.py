@@ -140,15 +140,21 @@ class Reconciler:
         save(cfg, self.run_dir)
         self.train_prompts, self.eval_prompts, task_dirs = self._prompts()
         tag = uuid.uuid4().hex[:6]
-        self.env_workers = [spawn_env_worker(cfg, task_dirs, f"env-{tag}-{i}") for i in range(sc.num_env_workers)]
+        # large constructor arguments (a suite's tasks, its prompts) go into the object store once, and the driver
+        # keeps their refs for the whole run: an actor Ray restarts is constructed from them again (Ray frees the
+        # copies it makes of large arguments itself once the first construction is done: ray-project/ray#53727)
+        self._actor_args = {"tasks": ray.put(task_dirs), "train": ray.put(self.train_prompts),
+                            "eval": ray.put(self.eval_prompts)}
+        self.env_workers = [spawn_env_worker(cfg, self._actor_args["tasks"], f"env-{tag}-{i}")
+                            for i in range(sc.num_env_workers)]
         # one Learner actor, or a group of learner.num_processes actors in one jax.distributed job
         self.learner = self._given_learner or spawn_learner(cfg, str(self.run_dir), tag)
-        self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self.train_prompts, f"rollout{i}",
+        self.workers = [spawn(RolloutWorker, cfg, self.env_workers, self._actor_args["train"], f"rollout{i}",
                               name=f"rollout-{tag}-{i}", cpus=cfg.ray.rollout_cpus, gpus=cfg.ray.rollout_gpus,
                               concurrency=sc.groups_per_worker + 3) for i in range(sc.num_rollout_workers)]
         self.evaluator = None
         if cfg.eval.every > 0:
-            self.evaluator = spawn(Evaluator, cfg, self.env_workers, self.eval_prompts, "evaluator",
+            self.evaluator = spawn(Evaluator, cfg, self.env_workers, self._actor_args["eval"], "evaluator",
                                    name=f"evaluator-{tag}", cpus=cfg.ray.rollout_cpus, concurrency=2)
         own = [] if self._given_learner is not None else self.learner.actors
         self.actors = [*self.env_workers, *own, *self.workers] + ([self.evaluator] if self.evaluator else [])
