@@ -142,10 +142,15 @@ def record_execution(cfg: RLSystemConfig, run_dir: Path, role: str) -> None:
     from c2jax.kernels.dispatch import current_device
 
     platform, kind = current_device()
+    if not Path(run_dir).is_dir():  # a node that does not share the run directory: nothing to record there
+        return
     row = {"role": role, "host": socket.gethostname(), "pid": os.getpid(), "platform": platform, "device_kind": kind,
            "moe_impl": cfg.model.moe_impl, "moe_kernel": cfg.model.moe_kernel, "time": time.time()}
-    with open(Path(run_dir) / "execution.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    try:
+        with open(Path(run_dir) / "execution.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:  # a record, not a reason to fail the actor
+        print(f"warning: cannot record the {role}'s execution in {run_dir}: {e}", flush=True)
 
 
 def make_policy(cfg: RLSystemConfig, detokenize=None):

@@ -185,6 +185,7 @@ class Reconciler:
         self.staleness.on_resume(self.version)
         self.staleness.accepted += len(self.ready)
         self.free_slots = {w: sc.groups_per_worker for w in range(len(self.workers))}  # groups each can take
+        self.worker_backoff: dict[int, float] = {}  # worker -> no dispatch before this time (it was restarting)
         from c2jax.train.metrics import MetricsWriter
 
         self.metrics = MetricsWriter(self.run_dir)
@@ -199,7 +200,9 @@ class Reconciler:
         return self.staleness.capacity(self.version) > 0
 
     def _dispatch(self) -> None:
-        while any(self.free_slots.values()) and (self.retry or self._can_dispatch()):
+        now = time.perf_counter()
+        ready = {w: n for w, n in self.free_slots.items() if self.worker_backoff.get(w, 0.0) <= now}
+        while any(ready.values()) and (self.retry or self._can_dispatch()):
             if self.retry:
                 spec = self.retry.popleft()
             else:
@@ -208,8 +211,9 @@ class Reconciler:
                         "prompt_id": self.curriculum.next_prompt(self.version),
                         "seed": self.cfg.seed * 1_000_003 + self.start_version * 10_007 + n, "attempt": 0}
                 self.counts["groups_dispatched"] += 1
-            w = max(self.free_slots, key=lambda i: (self.free_slots[i], -i))  # the least loaded worker
+            w = max(ready, key=lambda i: (ready[i], -i))  # the least loaded worker
             self.free_slots[w] -= 1
+            ready[w] -= 1
             ref = self.workers[w].run_group.remote({**spec, "lineage": self.lineage}, self.chain.payloads())
             self.inflight[ref] = (spec, w, time.perf_counter())
             self.staleness.on_dispatch()
@@ -268,6 +272,14 @@ class Reconciler:
         self.free_slots[w] += 1
         try:
             group: Group = ray.get(ref, timeout=self.cfg.system.call_timeout_s)
+        except ray.exceptions.ActorUnavailableError:
+            # the worker is being restarted by Ray: the group never ran; send it again (same attempt) once a worker
+            # is back, and leave this one alone for a moment rather than spin on it. Not a failure of the setting
+            self.staleness.on_return(accepted=False)
+            self.counts["groups_resent_worker_restarting"] += 1
+            self.worker_backoff[w] = time.perf_counter() + 1.0
+            self.retry.appendleft(spec)
+            return
         except Exception as e:  # noqa: BLE001 -- RayActorError (worker died), task error, timeout
             self._on_group_failed(spec, f"{type(e).__name__}: {str(e)[:300]}")
             return
@@ -498,6 +510,9 @@ class Reconciler:
             self._maybe_train()
             waiting = list(self.inflight) + ([self.training[0]] if self.training else []) + \
                 ([self.eval_ref] if self.eval_ref is not None else [])
+            if not waiting and any(t > time.perf_counter() for t in self.worker_backoff.values()):
+                time.sleep(0.2)  # every free worker is restarting: wait for one, then dispatch again
+                continue
             if not waiting:
                 raise RuntimeError("the reconciler has nothing in flight and cannot train: no free rollout "
                                    "worker slot, or groups_per_step exceeds what admission allows")
