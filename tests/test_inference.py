@@ -361,3 +361,29 @@ def test_gqa_cache_holds_only_the_key_value_heads():
     cache, expanded = cache_bytes_per_token(preset("qwen3-30b-a3b"))
     # 48 layers x (k + v) x 4 K/V heads x 128 dims x bf16, against one K/V head per query head (32)
     assert cache == 48 * 2 * 4 * 128 * 2 and expanded == 48 * 32 * 256 * 2
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3-moe"])
+def test_decode_over_a_cache_window_equals_the_trainer(name):
+    """A decode chunk reading key_len < max_len positions runs over a window of the cache sliced out once and
+    written back once (forward.cache_window / cache_merge): with a key bucket of 8 in a 64-position cache the
+    window moves to the next bucket between chunks and the chunks write into it in place, and the sampled tokens'
+    logprobs and experts are still the trainer's, the tokens those of an engine reading the whole cache."""
+    cfg = preset(name)
+    graphdef, state = nnx.split(init(cfg, seed=0))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (3, 9, 6)]
+    reqs = [Request(p, 14, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
+    windowed = InferenceEngine(cfg, graphdef, state, config=EngineConfig(slots=2, max_len=64, chunk_steps=4,
+                                                                         key_bucket=8)).generate(reqs)
+    whole = InferenceEngine(cfg, graphdef, state, config=ENGINE).generate(reqs)
+    assert [r.token_ids for r in windowed] == [r.token_ids for r in whole]
+    for req, res in zip(reqs, windowed, strict=True):
+        seq = list(req.prompt_ids) + res.token_ids
+        out = forward(graphdef, state, jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32), return_mtp=False)
+        logits = out.logits[0, len(req.prompt_ids) - 1: len(seq) - 1]
+        want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits / 0.8)), np.asarray(res.token_ids)[:, None],
+                                  -1)[:, 0]
+        assert np.mean(np.abs(want - np.asarray(res.logprobs))) < 1e-5
+        experts = np.asarray(out.expert_ids[:, 0])[:, len(req.prompt_ids) - 1: len(seq) - 1].transpose(1, 0, 2)
+        np.testing.assert_array_equal(np.sort(res.expert_ids, -1), np.sort(experts, -1))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from c2jax.models.config import ModelConfig
-from c2jax.models.inference.forward import LayerCache, extend, prepare
+from c2jax.models.inference.forward import LayerCache, cache_merge, cache_window, extend, prepare
 from c2jax.models.inference.sampling import SamplingParams, sample
 
 
@@ -85,7 +85,9 @@ class ChunkOutput(NamedTuple):
 def decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, slots: SlotState, stop_ids,
                  sampling: SamplingParams, *, steps: int, key_len: int, absorbed: bool = True):
     """`steps` decode steps over all slots in one lax.scan. stop_ids [B, M] (-1 padded): a slot stops after
-    sampling one of them, or when `remaining` reaches 0. Returns (cache, SlotState, ChunkOutput)."""
+    sampling one of them, or when `remaining` reaches 0. Returns (cache, SlotState, ChunkOutput).
+    The scan runs over the cache's first key_len positions, sliced out once and written back once
+    (forward.cache_window): key_len must cover every live slot's length + steps, as the engine's does."""
 
     prepared = prepare(graphdef, state)
 
@@ -102,5 +104,6 @@ def decode_chunk(cfg: ModelConfig, graphdef: nnx.GraphDef, state, cache, slots: 
         experts = None if out.expert_ids is None else out.expert_ids[:, 0]
         return (out.cache, new), ChunkOutput(drawn.tokens, drawn.logprobs, drawn.raw_logprobs, experts, live)
 
-    (cache, slots), outs = jax.lax.scan(step, (cache, slots), None, length=steps)
-    return cache, slots, outs
+    window = cache_window(cache, key_len)
+    (window, slots), outs = jax.lax.scan(step, (window, slots), None, length=steps)
+    return cache_merge(cache, window), slots, outs
