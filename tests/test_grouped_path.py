@@ -36,7 +36,7 @@ from flax import nnx
 from c2jax.kernels import dispatch
 from c2jax.kernels.grouped_gemm import OP
 from c2jax.models.config import preset
-from c2jax.models.transformer import forward, init
+from c2jax.models.transformer import init
 
 FP32 = preset("tiny").replace(num_nextn_predict_layers=0, moe_impl="ragged")
 # mosaic_sm90's shapes: d and 2f multiples of 128 and 64 for the four GEMMs (forward and dlhs of gate_up, down)
@@ -123,24 +123,12 @@ def test_train_step_equals_ragged(kernel):
 # RL ------------------------------------------------------------------------------------------------
 @functools.cache
 def _rl_batch(cfg):
-    """Four sequences packed into 2 rows of 8, replay ids and behaviour logprobs from the (ragged) model."""
-    from c2jax.rl.batch import pack, replay_from_model
+    """Four sequences packed into 2 rows of 8, replay ids and behaviour logprobs from the (ragged) model (the
+    RL learner tests' sequences, tests/test_rl_learner.py)."""
+    from c2jax.rl.batch import pack
+    from tests.test_rl_learner import _sequences
 
-    lengths = (5, 3, 6, 2)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, sum(lengths))
-    segments = np.repeat(np.arange(len(lengths)), lengths)
-    positions = np.concatenate([np.arange(n) for n in lengths])
-    graphdef, state = nnx.split(init(cfg, 0))
-    out = jax.jit(lambda s, i, p, g: forward(graphdef, s, i, positions=p, segment_ids=g, return_mtp=False))(
-        state, tokens[None], positions[None], segments[None])
-    experts = replay_from_model(out.expert_ids)[0]
-    seqs, start = [], 0
-    for n in lengths:
-        seqs.append(dict(tokens=tokens[start:start + n], loss_mask=np.arange(n) >= 1, advantage=float(rng.normal()),
-                         behavior_logprobs=-2.5 + 0.1 * rng.normal(size=n), replay_ids=experts[start:start + n]))
-        start += n
-    return pack(seqs, seq_len=8)
+    return pack(_sequences(cfg=cfg), seq_len=8)
 
 
 @functools.cache

@@ -37,14 +37,14 @@ def _jit_forward(cfg, seed=0):
 
 
 @functools.cache
-def _sequences(lengths=(5, 3, 6, 2)):
+def _sequences(lengths=(5, 3, 6, 2), cfg=CFG):
     rng = np.random.default_rng(0)
     total = sum(lengths)
-    tokens = rng.integers(0, CFG.vocab_size, total)
+    tokens = rng.integers(0, cfg.vocab_size, total)
     # one forward over the sequences concatenated in separate segments gives each its own experts
     segments = np.repeat(np.arange(len(lengths)), lengths)
     positions = np.concatenate([np.arange(n) for n in lengths])
-    graphdef, state = nnx.split(init(CFG))
+    graphdef, state = nnx.split(init(cfg))
     out = jax.jit(lambda s, i, p, g: forward(graphdef, s, i, positions=p, segment_ids=g, return_mtp=False))(
         state, tokens[None], positions[None], segments[None])
     experts = replay_from_model(out.expert_ids)[0]
