@@ -15,6 +15,7 @@ Dispatch paths (`ModelConfig.moe_impl`):
   grouped the ragged path's grouped GEMMs run by the kernel registry (kernels/grouped_gemm.py, `moe_kernel`; a
           custom VJP whose dlhs runs the registry too). `resolve_moe_kernel(cfg)` names the kernel it will run here;
           tests/test_grouped_path.py checks each one against `ragged` in the training, RL and sampling steps.
+          `resolve_loaded_moe_kernel` re-resolves the kernel a run written on another device names.
 """
 
 from __future__ import annotations
@@ -106,6 +107,31 @@ def resolve_moe_kernel(cfg: ModelConfig, num_tokens: int = 128) -> ModelConfig:
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(f"moe_impl='grouped' cannot run here (moe_kernel={cfg.moe_kernel!r}): {e}") from e
     return cfg.replace(moe_kernel=name)
+
+
+def resolve_loaded_moe_kernel(cfg: ModelConfig, source: str) -> ModelConfig:
+    """`cfg`, a run's resolved model config loaded to run on this device (`source` names the run in the message), with
+    a moe_impl="grouped" kernel that is not native here replaced by what `resolve_moe_kernel` picks here for
+    moe_kernel=None ($C2JAX_KERNEL_IMPL, else the registry's first native kernel that accepts the model's GEMMs),
+    printing one line that says which kernel replaced which. A run's config.yaml names the kernel of the device it
+    ran on (the Trainer writes it): evaluating a mosaic_sm90 run on a CPU would otherwise run Pallas' Mosaic GPU
+    interpreter, seconds a GEMM, and a jax_triton run would fail. A kernel native here (on a GPU, also one the
+    registry does not pick itself) and every other moe_impl are kept as they are. The one helper of every loader of
+    a run directory (rl/eval/agents.py)."""
+    if cfg.moe_impl != "grouped" or cfg.moe_kernel is None:
+        return cfg
+    from c2jax.kernels import dispatch
+    from c2jax.kernels.grouped_gemm import OP
+
+    platform, kind = dispatch.current_device()
+    named = {i.name: i for i in dispatch.implementations(OP)}.get(cfg.moe_kernel)
+    if named is not None and named.native(platform, kind):
+        return cfg
+    local = resolve_moe_kernel(cfg.replace(moe_kernel=None))
+    here = platform + (f" {kind!r}" if kind and kind != platform else "")
+    print(f"{source}: moe_kernel {cfg.moe_kernel!r} does not run natively on this device ({here}); running "
+          f"{local.moe_kernel!r} instead", flush=True)
+    return local
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -450,50 +450,81 @@ def test_visible_tests_selector_drives_best_of_k(tmp_path):
     assert acc["avg@1"]["mean"] == 0.5 and acc["best_of_2"]["mean"] == 1.0 and acc["pass^2"]["mean"] == 0.0
 
 
+def _write_pretraining_run(run: Path, tokenizer: str, model, phases) -> None:
+    """A pretraining run directory as the Trainer writes it: resolved config.yaml, an Orbax checkpoint at step 2
+    whose meta names the last phase."""
+    import jax
+
+    from c2jax.config import dump_yaml, to_dict
+    from c2jax.models.transformer import init
+    from c2jax.train.checkpoint import Checkpointer
+    from c2jax.train.config import PretrainConfig
+    from c2jax.train.optim import make_optimizer
+    from c2jax.train.step import init_train_state
+
+    cfg = PretrainConfig(name="r", output_dir=str(run.parent), model=model,
+                         data={"tokenizer": tokenizer, "seq_len": 32, "batch_size": 1}, phases=phases)
+    run.mkdir(parents=True)
+    dump_yaml(to_dict(cfg), run / "config.yaml")
+    tx, _ = make_optimizer(cfg.optimizer, cfg.total_steps)
+    state = init_train_state(init(model, seed=0), tx)[1]
+    ckpt = Checkpointer(run / "checkpoints", cfg.checkpoint)
+    ckpt.save(2, jax.tree.map(lambda x: x, state), {"phase": len(phases) - 1})
+    ckpt.close()
+
+
 def test_checkpoint_agent_serves_a_run_in_its_last_phase_model_and_refuses_byte_runs(tmp_path):
     """A pretraining run directory written like the Trainer writes it (resolved config.yaml, an Orbax
     checkpoint whose meta names the phase): the agent's engine runs the model of that phase, YaRN included,
     with the run's tokenizer.json plus the chat tokens; a `bytes` run is refused with the reason."""
-    import jax
-
-    from c2jax.config import dump_yaml, to_dict
     from c2jax.models.config import RopeScaling, preset
-    from c2jax.models.transformer import init
     from c2jax.rl.eval.agents import make_factory
     from c2jax.rl.eval.config import AgentConfig
     from c2jax.rl.system.envs import byte_tokenizer
-    from c2jax.train.checkpoint import Checkpointer
-    from c2jax.train.config import PhaseConfig, PretrainConfig
-    from c2jax.train.optim import make_optimizer
-    from c2jax.train.step import init_train_state
+    from c2jax.train.config import PhaseConfig
 
     tok_path = tmp_path / "tokenizer.json"
     byte_tokenizer().save(str(tok_path))  # 256 byte tokens + the chat tokens
     model = preset("tiny").replace(vocab_size=272, num_nextn_predict_layers=0, rope_scaling=None,
                                    max_position_embeddings=128)
     yarn = RopeScaling(factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0)
+    phases = (PhaseConfig(name="main", steps=1, seq_len=32),
+              PhaseConfig(name="long", steps=1, seq_len=128, rope_scaling=yarn))
 
-    def write_run(run: Path, tokenizer: str) -> None:
-        cfg = PretrainConfig(name="r", output_dir=str(tmp_path), model=model,
-                             data={"tokenizer": tokenizer, "seq_len": 32, "batch_size": 1},
-                             phases=(PhaseConfig(name="main", steps=1, seq_len=32),
-                                     PhaseConfig(name="long", steps=1, seq_len=128, rope_scaling=yarn)))
-        run.mkdir(parents=True)
-        dump_yaml(to_dict(cfg), run / "config.yaml")
-        tx, _ = make_optimizer(cfg.optimizer, cfg.total_steps)
-        state = init_train_state(init(model, seed=0), tx)[1]
-        ckpt = Checkpointer(run / "checkpoints", cfg.checkpoint)
-        ckpt.save(2, jax.tree.map(lambda x: x, state), {"phase": 1})
-        ckpt.close()
-
-    write_run(tmp_path / "hf_run", str(tok_path))
+    _write_pretraining_run(tmp_path / "hf_run", str(tok_path), model, phases)
     factory = make_factory(AgentConfig(kind="checkpoint", target=str(tmp_path / "hf_run")))
     agent = factory(None, 0)
     engine = agent.policy.engine
     assert engine.cfg.rope_scaling == yarn and engine.version == 2
-    write_run(tmp_path / "byte_run", "bytes")
+    _write_pretraining_run(tmp_path / "byte_run", "bytes", model, phases)
     with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):
         make_factory(AgentConfig(kind="checkpoint", target=str(tmp_path / "byte_run")))
+
+
+def test_checkpoint_agent_runs_a_gpu_runs_kernel_choice_with_this_devices_kernel(tmp_path, monkeypatch, capsys):
+    """A run trained on an H100 names moe_impl="grouped", moe_kernel="mosaic_sm90" in its config.yaml; loaded here
+    (CPU) the agent's engine runs the CPU's kernel instead of the Mosaic GPU interpreter, says so in one line, and
+    generates (models.moe_dispatch.resolve_loaded_moe_kernel)."""
+    from c2jax.kernels import dispatch
+    from c2jax.models.config import preset
+    from c2jax.rl.eval.agents import make_factory
+    from c2jax.rl.eval.config import AgentConfig
+    from c2jax.rl.system.envs import byte_tokenizer
+    from c2jax.train.config import PhaseConfig
+
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
+    tok_path = tmp_path / "tokenizer.json"
+    byte_tokenizer().save(str(tok_path))
+    model = preset("tiny").replace(vocab_size=272, num_nextn_predict_layers=0, max_position_embeddings=64,
+                                   dtype="bfloat16", moe_impl="grouped", moe_kernel="mosaic_sm90")
+    _write_pretraining_run(tmp_path / "h100_run", str(tok_path), model, (PhaseConfig(name="main", steps=1),))
+    agent = make_factory(AgentConfig(kind="checkpoint", target=str(tmp_path / "h100_run")))(None, 0)
+    engine = agent.policy.engine
+    assert engine.cfg.moe_impl == "grouped" and engine.cfg.moe_kernel == "xla"
+    out = capsys.readouterr().out
+    assert out.count("moe_kernel 'mosaic_sm90' does not run natively on this device (cpu); running 'xla'") == 1
+    res = agent.policy.generate_tokens([1, 2, 3], max_new_tokens=4, stop_token_ids=[], temperature=0.0, seed=0)
+    assert len(res.token_ids) == 4
 
 
 def test_paired_difference_bootstraps_per_task_differences():

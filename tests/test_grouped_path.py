@@ -222,6 +222,31 @@ def test_resolve_moe_kernel_names_what_the_registry_runs(monkeypatch):
         resolve_moe_kernel(grouped.replace(moe_kernel="jax_triton"))
 
 
+def test_a_loaded_runs_kernel_from_another_device_is_resolved_for_this_one(monkeypatch, capsys):
+    """models.moe_dispatch.resolve_loaded_moe_kernel, the one helper of the run-directory loaders: a kernel not
+    native here (mosaic_sm90 on a CPU, pallas_triton on a CPU) is replaced by this device's, with one line saying
+    which by which ($C2JAX_KERNEL_IMPL still chooses); a native kernel, an unset one and other paths are kept."""
+    from c2jax.models.moe_dispatch import resolve_loaded_moe_kernel
+
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
+    h100_run = BF16.replace(moe_impl="grouped", moe_kernel="mosaic_sm90")
+    local = resolve_loaded_moe_kernel(h100_run, "run r")
+    assert local == h100_run.replace(moe_kernel="xla")
+    assert capsys.readouterr().out == ("run r: moe_kernel 'mosaic_sm90' does not run natively on this device (cpu); "
+                                       "running 'xla' instead\n")
+    assert resolve_loaded_moe_kernel(h100_run.replace(moe_kernel="pallas_triton"), "r").moe_kernel == "xla"
+    for kept in (h100_run.replace(moe_kernel="ragged_dot"), h100_run.replace(moe_kernel=None), FP32):
+        assert resolve_loaded_moe_kernel(kept, "r") is kept
+    with dispatch.target(*H100):
+        assert resolve_loaded_moe_kernel(h100_run, "r") is h100_run
+    with dispatch.target("gpu", "NVIDIA B200"):
+        assert resolve_loaded_moe_kernel(h100_run, "r").moe_kernel == "pallas_triton"
+    capsys.readouterr()
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul=ragged_dot")
+    assert resolve_loaded_moe_kernel(h100_run, "r").moe_kernel == "ragged_dot"
+    assert "running 'ragged_dot' instead" in capsys.readouterr().out
+
+
 def test_pretraining_run_writes_the_kernel_into_its_config(tmp_path, monkeypatch):
     """`c2jax pretrain`'s Trainer: config.yaml names the kernel, and the run trains with that config."""
     from c2jax.config import from_dict, load

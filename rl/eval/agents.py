@@ -134,6 +134,7 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     from c2jax.config import load, load_yaml
     from c2jax.data.tokenizer import load_tokenizer
     from c2jax.models.inference import EngineConfig, InferenceEngine
+    from c2jax.models.moe_dispatch import resolve_loaded_moe_kernel
     from c2jax.models.transformer import init
     from c2jax.train.checkpoint import Checkpointer
     from c2jax.train.config import PretrainConfig
@@ -161,9 +162,10 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
     abstract = jax.eval_shape(lambda: init_train_state(init(cfg.model, seed=cfg.seed), tx, seed=cfg.seed)[1])
     state, meta = ckpt.restore(chosen, abstract)
     ckpt.close()
-    # the model of the phase the checkpoint was written in (a long-context phase's YaRN scaling included)
+    # the model of the phase the checkpoint was written in (a long-context phase's YaRN scaling included), with the
+    # MoE kernel of this device where the run's was another's
     phase = cfg.phases[min(int(meta.get("phase", 0)), len(cfg.phases) - 1)]
-    model_cfg = phase_model_config(cfg, phase)
+    model_cfg = resolve_loaded_moe_kernel(phase_model_config(cfg, phase), f"checkpoint agent {run_dir}")
     graphdef = nnx.split(nnx.eval_shape(lambda: init(model_cfg, seed=cfg.seed)), nnx.Param, ...)[0]
     merged = nnx.merge(graphdef, state.params, state.model_state)
     tokenizer = load_tokenizer(cfg.data["tokenizer"])
@@ -175,13 +177,17 @@ def load_checkpoint_engine(run_dir: str | Path, *, step: int = -1, max_len: int 
 def _load_rl_run_engine(run_dir: Path, data: dict, *, step: int, max_len: int):
     """(engine, tokenizer, version) from a c2jax RL run (`c2jax rl`, the demo's RL stage): the learner's
     newest Orbax checkpoint, restored as the learner restores it, and the RL system's chat tokenizer."""
+    import dataclasses
+
     from c2jax.config import load
     from c2jax.models.inference import EngineConfig, InferenceEngine
+    from c2jax.models.moe_dispatch import resolve_loaded_moe_kernel
     from c2jax.rl.system.backends import restore_learner_model
     from c2jax.rl.system.config import RLSystemConfig
     from c2jax.rl.system.envs import chat_tokenizer
 
     cfg = load(RLSystemConfig, data)
+    cfg = dataclasses.replace(cfg, model=resolve_loaded_moe_kernel(cfg.model, f"checkpoint agent {run_dir}"))
     if cfg.backend.learner != "rl":
         raise ValueError(f"checkpoint agent: {run_dir} ran the {cfg.backend.learner!r} learner, which has no model")
     try:  # the run's env.tokenizer (bytes or a trained one), loaded before the checkpoint is restored

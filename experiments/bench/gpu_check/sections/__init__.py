@@ -35,7 +35,7 @@ def _section(module: str, function: str = "run") -> Callable[[Context], None]:
 
 SECTIONS: dict[str, Callable[[Context], None]] = {
     "env": _section("env"), "model": _section("model"), "attention": _section("attention"),
-    "grouped_gemm": _section("grouped_gemm"), "quantizers": _section("quantizers"),
+    "grouped_gemm": _section("grouped_gemm"), "moe_mxfp8": _section("moe_mxfp8"), "quantizers": _section("quantizers"),
     "train_medium": _section("train_medium"), "sampler": _section("sampler"), "rl_step": _section("rl_step"),
     "selftest_error": _section("selftest", "run_error"), "selftest_timeout": _section("selftest", "run_timeout"),
 }

@@ -98,9 +98,11 @@ def run(ctx: Context) -> None:
 
 
 def require(ctx: Context, impl: str) -> None:
-    """Skip unless `impl` can run here: the Mosaic GPU and jax-triton kernels have no interpreter."""
+    """Skip unless `impl` runs here: mosaic_sm90 needs a Hopper GPU (its interpreter is too slow for this section),
+    jax_triton a GPU with jax-triton installed (no interpreter)."""
     if impl == "mosaic_sm90":
-        ctx.needs_gpu("Mosaic GPU Hopper kernel, no interpreter")
+        ctx.needs_gpu("Mosaic GPU Hopper kernel; Pallas' Mosaic GPU interpreter runs it on the CPU, as "
+                      "tests/test_grouped_path.py does, but at seconds a call it is too slow for these shapes")
         kind = jax.devices()[0].device_kind
         if not any(k in kind for k in ("H100", "H200", "H800", "H20")):
             raise Skip(f"needs a Hopper GPU, this is {kind!r}")
@@ -250,16 +252,27 @@ def moe_layer_rate(ctx: Context, impl: str, peak: float) -> dict:
     cfg = ModelConfig(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e, num_experts_per_tok=k,
                       n_shared_experts=1, n_group=1, topk_group=1, dtype="bfloat16", moe_impl=impl,
                       moe_capacity_factors=ctx.size(ModelConfig.moe_capacity_factors, (2.0,)))
+    t = moe_fwd_bwd_seconds(cfg, tokens, repeats=ctx.size(5, 2))
+    flops = moe_fwd_bwd_flops(cfg, tokens)
+    return {"ms": 1e3 * t, "tflops": flops / t / 1e12, "pct_peak_bf16": 100 * flops / t / peak,
+            "shape": {"tokens": tokens, "d": d, "f": f, "experts": e, "top_k": k, "routed_rows": tokens * k}}
+
+
+def moe_fwd_bwd_seconds(cfg: ModelConfig, tokens: int, repeats: int) -> float:
+    """Median seconds of one MoE layer's (models/moe.py) forward + backward under `cfg` (compiled and warmed first):
+    gradients of a mean-square loss with respect to every parameter (fp32 master weights) and the bf16 input of
+    `tokens` random tokens. Also the `moe_mxfp8` section's measurement."""
     graphdef, params, rest = nnx.split(MoE(cfg, nnx.Rngs(params=0)), nnx.Param, ...)
-    x = jax.random.normal(jax.random.key(2), (1, tokens, d), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(2), (1, tokens, cfg.hidden_size), jnp.bfloat16)
 
     def loss(params, x):
         y, _ = nnx.merge(graphdef, params, rest)(x)
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    t = timed(step, params, x, repeats=ctx.size(5, 2))
-    fwd_flops = 2 * tokens * (3 * d * f * (k + cfg.n_shared_experts) + d * e)
-    pct = 100 * 3 * fwd_flops / t / peak
-    return {"ms": 1e3 * t, "tflops": 3 * fwd_flops / t / 1e12, "pct_peak_bf16": pct,
-            "shape": {"tokens": tokens, "d": d, "f": f, "experts": e, "top_k": k, "routed_rows": tokens * k}}
+    return timed(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, repeats=repeats)
+
+
+def moe_fwd_bwd_flops(cfg: ModelConfig, tokens: int) -> float:
+    """Useful FLOPs of the layer's forward + backward (3x the forward): routed and shared experts' SwiGLU, router."""
+    d, f, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    return 3 * 2 * tokens * (3 * d * f * (k + cfg.n_shared_experts) + d * e)
