@@ -28,8 +28,17 @@ def inputs(cfg, batch=2, seq=24, seed=1):
     return jax.random.normal(jax.random.key(seed), (batch, seq, cfg.hidden_size))
 
 
+def with_config(cfg, graphdef):
+    """`graphdef` running `cfg` (the module keeps its config in the graph definition, not in the state): the
+    parameters of `make(other)` run by `cfg`'s dispatch path."""
+    del graphdef
+    return nnx.split(nnx.eval_shape(lambda: MoE(cfg, nnx.Rngs(params=0))))[0]
+
+
 def value_and_grads(cfg, graphdef, state, x, replay_ids=None):
-    """Forward output and gradients w.r.t. every parameter and the input, for a fixed random cotangent."""
+    """Forward output and gradients w.r.t. every parameter and the input, for a fixed random cotangent, with the
+    layer run by `cfg`."""
+    graphdef = with_config(cfg, graphdef)
     cot = jax.random.normal(jax.random.key(7), x.shape)
 
     def loss(params, rest, x):
@@ -235,3 +244,71 @@ def test_grouped_moe_path_runs_the_registry_kernels_and_equals_ragged_dot():
         assert abs(got - want) <= tol * abs(want)
         worst = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads, want_grads, strict=True))
         assert worst <= tol * max(float(jnp.max(jnp.abs(b))) for b in want_grads), kernel
+
+
+def _forward(cfg, graphdef, state, x, replay_ids=None):
+    """The MoE layer's output run by `cfg` without autodiff (sorted: the FORWARD_OP registry call)."""
+    graphdef = with_config(cfg, graphdef)
+    return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, replay_ids)[0])(state, x)
+
+
+def _primitives(cfg, graphdef, state, x, replay_ids=None):
+    graphdef = with_config(cfg, graphdef)
+    return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, replay_ids)[0]).lower(state, x).as_text()
+
+
+@pytest.mark.parametrize("load", ["routed", "skewed", "all_on_k_experts"])
+def test_forward_without_gradients_runs_tiles_of_the_actual_load_and_equals_the_dense_oracle(load):
+    """Not differentiated, the sorted path on CPU loops over experts and 32-row tiles of their sorted rows (no
+    lax.switch over capacity buckets): 256 tokens x 2 over 8 experts, routed, with two experts taking half the
+    assignments (the C = T bucket of the einsum), and with every token on experts 0 and 1. Equal to the dense
+    oracle, and to the bucketed einsum the override selects."""
+    cfg = TINY.replace(n_group=1, topk_group=1)
+    graphdef, state = make(cfg)
+    x = inputs(cfg, 4, 64)
+    k, rng = cfg.num_experts_per_tok, np.random.default_rng(0)
+    replay = None
+    if load == "skewed":
+        first = rng.choice([0, 1, *range(cfg.n_routed_experts)], size=(4, 64))
+        replay = jnp.asarray(np.stack([first, (first + 1 + rng.integers(0, cfg.n_routed_experts - 1, first.shape))
+                                       % cfg.n_routed_experts], -1).astype(np.int32))
+    elif load == "all_on_k_experts":
+        replay = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (4, 64, k))
+    text = _primitives(cfg, graphdef, state, x, replay)
+    assert "stablehlo.while" in text and "stablehlo.case" not in text
+    reference = _forward(cfg.replace(moe_impl="dense"), graphdef, state, x, replay)
+    assert rel_err(_forward(cfg, graphdef, state, x, replay), reference) < 1e-6
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("C2JAX_KERNEL_IMPL", "moe_sorted_forward=bucketed")
+        assert "stablehlo.case" in _primitives(cfg, graphdef, state, x, replay)
+        assert rel_err(_forward(cfg, graphdef, state, x, replay), reference) < 1e-6
+
+
+def test_tiled_forward_of_a_slice_of_the_experts_and_in_chunks_equals_one_dispatch():
+    """Expert parallelism's local slice (assignments to other experts contribute 0) and moe_chunk_tokens chunks
+    (padding tokens select no expert) through the tiled forward."""
+    from c2jax.models.moe_dispatch import dispatch_dense, dispatch_sorted
+
+    cfg = TINY.replace(n_group=1, topk_group=1)
+    graphdef, state = make(cfg)
+    model = nnx.merge(graphdef, state)
+    flat = inputs(cfg, 4, 100).reshape(-1, cfg.hidden_size)
+    routing = route(cfg, flat, model.gate[...], model.e_score_correction_bias[...])
+    gate_up, down = model.gate_up_proj[...], model.down_proj[...]
+    local = (routing.expert_ids >= 2) & (routing.expert_ids < 6)
+    want = dispatch_dense(flat, routing._replace(weights=jnp.where(local, routing.weights, 0)), gate_up, down)
+    for chunk in (0, 150):
+        c = cfg.replace(moe_chunk_tokens=chunk)
+        fn = jax.jit(lambda x, gu, dn, c=c: dispatch_sorted(c, x, routing, gu, dn, 2))
+        assert "stablehlo.while" in fn.lower(flat, gate_up[2:6], down[2:6]).as_text()
+        assert rel_err(fn(flat, gate_up[2:6], down[2:6]), want) < 1e-6, chunk
+
+
+def test_tiled_forward_steps_aside_at_decode_sizes_and_for_quantized_experts():
+    """Under two 32-row tiles per expert (decode and short prefill sizes) one padded einsum over all experts is faster,
+    and quantized recipes scale weights per expert: both run the bucketed einsum."""
+    cfg = TINY.replace(n_group=1, topk_group=1)
+    graphdef, state = make(cfg)
+    assert "stablehlo.case" in _primitives(cfg, graphdef, state, inputs(cfg, 4, 16))  # 64 tokens: 16 per expert
+    big = inputs(cfg, 4, 64)
+    assert "stablehlo.case" in _primitives(cfg.replace(moe_quant="mxfp8"), *make(cfg.replace(moe_quant="mxfp8")), big)
