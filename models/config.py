@@ -16,6 +16,9 @@ MOE_EP_IMPLS = ("allgather", "ragged_a2a")
 MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_per_tensor_fwd+mxfp8_bwd",
                      "mxfp8_floor", "fp8_deepseek")
 MOE_QUANT_DIVISIONS = ("ieee", "approx")
+# the recipes moe_impl="grouped" runs (c2jax.kernels.grouped_qlinear: the fused permute + MXFP8 quantize and the
+# block-scaled grouped GEMM); the others need straight-through masks or formats it does not have: moe_impl="sorted"
+MOE_QUANT_GROUPED = ("bf16", "mxfp8")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_attn_kernel")
 SCORING_FUNCS = ("sigmoid", "softmax")
 # "mla": DeepSeek-V2/V3 multi-head latent attention; "gqa": grouped-query attention (Llama, Qwen3; MHA when
@@ -24,7 +27,7 @@ ATTENTION_TYPES = ("mla", "gqa")
 # expert selection: "noaux_tc" (DeepSeek-V3: groups ranked by the sum of their top-2 biased scores),
 # "group_limited_greedy" (DeepSeek-V2: groups ranked by their best score), "greedy" (top-k over all experts)
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
-ROPE_SCALING_TYPES = ("yarn", "llama3")
+ROPE_SCALING_TYPES = ("yarn", "llama3", "linear")
 # the Hugging Face model_type a ModelConfig exports as (models/hf/families/); also what `from_pretrained` read
 HF_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen3", "llama")  # Kimi K2 / K2.5: deepseek_v3
 DTYPES = ("float32", "bfloat16", "float16")
@@ -65,8 +68,8 @@ def dtype_name(value, *, field: str = "dtype", allowed: tuple[str, ...] = DTYPES
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling as in HF's `rope_scaling` / `rope_parameters`: YaRN (type "yarn", Peng et al. 2023;
-    DeepSeek-V3, Kimi, Qwen3 long context) or Llama 3's ("llama3": low/high_freq_factor over the original
-    context)."""
+    DeepSeek-V3, Kimi, Qwen3 long context), Llama 3's ("llama3": low/high_freq_factor over the original
+    context) or position interpolation ("linear", Chen et al. 2023: every frequency divided by `factor`)."""
 
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
@@ -173,8 +176,9 @@ class ModelConfig:
     # token exchange under expert parallelism (models/expert_parallel.py): "allgather" runs everywhere;
     # "ragged_a2a" (jax.lax.ragged_all_to_all) needs a GPU/TPU, XLA:CPU does not implement it
     moe_ep_impl: str = "allgather"
-    # low-precision recipe of the routed-expert GEMMs (fprop, dgrad, wgrad) of moe_impl="sorted"
-    # (kernels/qlinear.py, docs/kernels.md); "bf16" quantizes nothing and runs the plain einsums
+    # low-precision recipe of the routed-expert GEMMs (fprop, dgrad, wgrad) of moe_impl="sorted" (kernels/qlinear.py,
+    # fake-quantized) and, for MOE_QUANT_GROUPED, of moe_impl="grouped" (kernels/grouped_qlinear.py: the FP8
+    # kernels; docs/kernels.md); "bf16" quantizes nothing and runs the plain einsums
     moe_quant: str = "bf16"
     # division in the quantizers: "ieee" or "approx" (reciprocal-multiply; Composer 2's NVFP4 ablation)
     moe_quant_division: str = "ieee"
@@ -260,8 +264,13 @@ class ModelConfig:
             raise ConfigError(
                 f"moe_quant_division must be one of {MOE_QUANT_DIVISIONS}, got {self.moe_quant_division!r}"
             )
-        if self.moe_quant != "bf16" and self.moe_impl != "sorted":
-            raise ConfigError(f"moe_quant={self.moe_quant!r} needs moe_impl='sorted', got {self.moe_impl!r}")
+        if self.moe_quant != "bf16" and self.moe_impl not in ("sorted", "grouped"):
+            raise ConfigError(f"moe_quant={self.moe_quant!r} needs moe_impl='sorted' (or 'grouped' for "
+                              f"{MOE_QUANT_GROUPED[1:]}), got {self.moe_impl!r}")
+        if self.moe_impl == "grouped" and self.moe_quant not in MOE_QUANT_GROUPED:
+            raise ConfigError(f"moe_impl='grouped' runs moe_quant in {MOE_QUANT_GROUPED} (RCEIL MXFP8 cannot saturate, "
+                              f"so it needs no straight-through masks); moe_quant={self.moe_quant!r} runs on "
+                              f"moe_impl='sorted'")
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
         for name in ("dtype", "param_dtype"):  # stored by name whatever form the caller gave

@@ -44,6 +44,8 @@ def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
         return inv_freq_extra, 1.0
     if rs.type == "llama3":
         return _llama3_inverse_frequencies(inv_freq_extra, rs), 1.0
+    if rs.type == "linear":  # position interpolation: positions / factor, i.e. every frequency / factor
+        return (inv_freq_extra / np.float32(rs.factor)).astype(np.float32), 1.0
     inv_freq_inter = (1.0 / (np.float32(rs.factor) * pos_freqs)).astype(np.float32)
     low, high = _yarn_correction_range(cfg, dim)
     if low == high:

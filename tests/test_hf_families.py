@@ -5,8 +5,8 @@ class with no missing or unexpected keys.
 
 Spec, in short:
   * logits within 1e-4 relative L2 of transformers' for every case: GQA with 1, 2 or all K/V heads, head_dim not
-    tied to hidden / heads, Qwen3's q/k norms, rope theta 1e6, Llama-3 and YaRN scaling, tied embeddings; Qwen3-MoE
-    softmax routing with and without norm_topk_prob and a dense first layer (mlp_only_layers); DeepSeek-V2's
+    tied to hidden / heads, Qwen3's q/k norms, rope theta 1e6, Llama-3, linear and YaRN scaling, tied embeddings;
+    Qwen3-MoE softmax routing with and without norm_topk_prob and a dense first layer (mlp_only_layers); DeepSeek-V2's
     softmax greedy and group-limited greedy routing with routed scaling and no renormalisation;
   * the first MoE layer's top-k experts equal transformers' as sets per token, and routing is not trivial;
   * c2jax save_pretrained -> transformers: the same architecture class, no missing / unexpected keys, the same
@@ -65,6 +65,8 @@ CASES = {
     "llama_gqa_llama3_rope": ("LlamaConfig", "LlamaForCausalLM", _LLAMA),
     "llama_mha": ("LlamaConfig", "LlamaForCausalLM", _LLAMA | dict(
         num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama_linear_rope": ("LlamaConfig", "LlamaForCausalLM", _LLAMA | dict(
+        num_key_value_heads=1, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "deepseek_v2_lite_shaped": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _V2),
     "deepseek_v2_group_limited_yarn": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _V2 | dict(
         q_lora_rank=12, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,

@@ -43,7 +43,7 @@ def refuse_unsupported(text: Mapping[str, Any], prefix: str) -> None:
 
 
 def rope_from_hf(text: Mapping[str, Any], prefix: str, max_positions: int) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, RopeScaling or None): default, yarn and llama3 rope types; rope_scaling wins over
+    """(rope_theta, RopeScaling or None): default, linear, yarn and llama3 rope types; rope_scaling wins over
     rope_parameters, as in transformers."""
     if text.get("rope_scaling"):
         params, name = dict(text["rope_scaling"]), f"{prefix}rope_scaling"
@@ -70,8 +70,13 @@ def rope_from_hf(text: Mapping[str, Any], prefix: str, max_positions: int) -> tu
         return theta, RopeScaling(type="llama3", factor=factor, original_max_position_embeddings=original,
                                   low_freq_factor=float(params["low_freq_factor"]),
                                   high_freq_factor=float(params["high_freq_factor"]))
+    if rope_type == "linear":
+        if params.get("factor") is None:
+            raise ConfigError(f"{name}.factor: linear RoPE scaling needs it")
+        return theta, RopeScaling(type="linear", factor=factor, original_max_position_embeddings=original)
     if rope_type != "yarn":
-        raise ConfigError(f"{name}.rope_type: only 'default', 'yarn' and 'llama3' are supported, got {rope_type!r}")
+        raise ConfigError(f"{name}.rope_type: only 'default', 'linear', 'yarn' and 'llama3' are supported, got "
+                          f"{rope_type!r}")
     attention_factor = params.get("attention_factor")
     return theta, RopeScaling(
         factor=factor,
@@ -94,7 +99,9 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if rs is None:
         return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
-    if rs.type == "llama3":
+    if rs.type == "linear":
+        scaling = {"type": "linear", "rope_type": "linear", "factor": rs.factor}
+    elif rs.type == "llama3":
         scaling = {"rope_type": "llama3", "factor": rs.factor,
                    "original_max_position_embeddings": rs.original_max_position_embeddings,
                    "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor}
