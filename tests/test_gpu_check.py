@@ -192,6 +192,26 @@ def test_lower_only_lowers_every_device_program_for_cuda(tmp_path):
     assert any(c.startswith("__cudnn$fmha") for c in rows["attention/cudnn/gqa(small-qwen3-moe)"]["custom_calls"])
     assert "all_gather" in rows["attention/context_parallel/cp8(medium)"]["collectives"]
     assert {"all_gather", "reduce_scatter"} <= set(rows["train_step/medium/mxfp8 fsdp2 x expert4"]["collectives"])
+    # the raw Triton kernels to PTX: skipped, saying why, where triton is not installed (not a project dependency)
+    ptx = report["triton_ptx"]
+    assert ("triton is not installed" in ptx["skipped"]) if "skipped" in ptx else all(r["ok"] for r in ptx["kernels"])
+
+
+def test_raw_triton_kernels_compile_to_ptx_with_the_architectures_tensor_core_mma(monkeypatch):
+    """With triton installed (experiments/bench/gpu_check/triton_ptx.py says how), the jax-triton kernels compile
+    without a GPU for sm_90a (wgmma; tl.dot_scaled emulated in bf16) and sm_100a (tcgen05, the MXFP8 one as
+    block-scaled mxf8f6f4), and a kernel whose PTX lacks the expected MMA fails the stage."""
+    pytest.importorskip("triton")
+    from c2jax.kernels import jax_triton_grouped
+    from experiments.bench.gpu_check import triton_ptx
+
+    rows = {r["name"]: r for r in triton_ptx.run()["kernels"]}
+    assert set(rows) == {f"triton/{k}/sm_{cc}a" for k in ("grouped", "grouped_mx") for cc in (90, 100)}
+    assert all(r["ok"] and r["cubin_bytes"] > 0 for r in rows.values()), rows
+    assert rows["triton/grouped_mx/sm_100a"]["mma"] == "kind::mxf8f6f4.block_scale"
+    monkeypatch.setitem(jax_triton_grouped.PTX_MMA, 100, {"grouped": "tcgen05.mma", "grouped_mx": "kind::mxf4nvf4"})
+    rows = {r["name"]: r for r in triton_ptx.run()["kernels"]}
+    assert rows["triton/grouped/sm_100a"]["ok"] and not rows["triton/grouped_mx/sm_100a"]["ok"]
 
 
 def test_a_silent_fallback_or_an_unlowerable_kernel_fails_the_lowering_check(monkeypatch, request):

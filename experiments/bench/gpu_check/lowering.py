@@ -354,16 +354,21 @@ def main(out: str | Path | None, names: list[str] | None = None) -> int:
 
     print(f"gpu_check --lower-only: JAX {jax.__version__}, lowering for cuda on {jax.default_backend()} "
           f"({len(jax.devices())} devices); cuDNN pinned at {CUDNN_VERSION}, sm {COMPUTE_CAPABILITY}", flush=True)
+    from experiments.bench.gpu_check import triton_ptx
+
     results = run(names=names)
+    ptx = triton_ptx.run() if not names else {"skipped": "--programs given"}
+    triton_ptx.print_rows(ptx)
     report = {"jax": jax.__version__, "platform": "cuda", "cudnn_pinned": CUDNN_VERSION,
               "compute_capability_pinned": COMPUTE_CAPABILITY, "machine": describe(),
-              "programs": [dataclasses.asdict(r) for r in results]}
+              "programs": [dataclasses.asdict(r) for r in results], "triton_ptx": ptx}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "lowering.json").write_text(json.dumps(report, indent=1))
-    failed = [r.name for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} programs lowered with their markers"
-          + (f"; FAILED: {failed}" if failed else ""))
+    kernels = ptx.get("kernels", [])
+    failed = [r.name for r in results if not r.ok] + [r["name"] for r in kernels if not r["ok"]]
+    print(f"{len(results) + len(kernels) - len(failed)}/{len(results) + len(kernels)} programs lowered with their "
+          f"markers ({len(kernels)} Triton -> PTX)" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 
