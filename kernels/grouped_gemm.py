@@ -13,6 +13,17 @@ Implementations (kernels/dispatch.py picks the first native one; `impl=` or C2JA
     ragged_dot      jax.lax.ragged_dot, the oracle: XLA lowers it to a dense masked matmul with G x the
                     FLOPs on CPU (and on GPU in jaxlib 0.10), so it is never auto-chosen
 
+The block-scaled form, op `grouped_matmul_mx` (MX_OP), takes MXFP8 operands quantized along K (kernels/mxfp8.py:
+E4M3 values, E8M0 scales per 32) and multiplies them with FP32 accumulation:
+
+    grouped_matmul_mx(lhs: MXTensor [M, K], rhs: MXTensor [G, K, N], group_sizes [G], impl=None, out_dtype=bf16)
+
+    pallas_triton   kernels/pallas_grouped.py's block-scaled kernel (any NVIDIA GPU; CPU with interpret=True);
+                    needs K % 32 == 0 (refuses otherwise, so the registry falls through)
+    xla             the reference: dequantize both operands to FP32, then the capacity-padded einsum below
+                    (every backend; the CPU default)
+    jax_triton      `tl.dot_scaled` (Blackwell's native block-scaled MMA), needs jax-triton; never auto-chosen
+
 The XLA fallback gathers each group's rows into a [G, C, K] buffer (C = per-group capacity, empty slots
 read an appended zero row), runs one batched einsum and gathers the rows back. C is static, so it is
 picked at run time from a few buckets (`capacity_factors` x the balanced load, then M, which always
@@ -28,9 +39,11 @@ import jax
 import jax.numpy as jnp
 
 from c2jax.kernels import dispatch
-from c2jax.kernels.pallas_grouped import grouped_matmul_pallas
+from c2jax.kernels.mxfp8 import MX_BLOCK, MXTensor, dequantize_mx
+from c2jax.kernels.pallas_grouped import grouped_matmul_mx_pallas, grouped_matmul_pallas
 
 OP = "grouped_matmul"
+MX_OP = "grouped_matmul_mx"
 
 
 def _check(lhs, rhs, group_sizes):
@@ -144,3 +157,52 @@ def grouped_matmul(lhs: jnp.ndarray, rhs: jnp.ndarray, group_sizes: jnp.ndarray,
                    preferred_element_type=None) -> jnp.ndarray:
     """Grouped GEMM through the registry (module docstring)."""
     return dispatch.call(OP, lhs, rhs, group_sizes, impl=impl, preferred_element_type=preferred_element_type)
+
+
+# ------------------------------------------------------------------------------------------ block-scaled MXFP8
+
+
+def grouped_matmul_mx_xla(lhs: MXTensor, rhs: MXTensor, group_sizes, out_dtype=jnp.bfloat16):
+    """Reference: dequantized operands through the capacity-padded einsum, FP32 accumulation. The products of
+    dequantized E4M3 values (3-bit mantissas times powers of two) are exact in FP32, and in TF32 too where a GPU's
+    default precision uses it, so only the summation order separates this from a block-scaled kernel."""
+    out = grouped_matmul_xla(dequantize_mx(lhs, axis=1), dequantize_mx(rhs, axis=1), group_sizes,
+                             preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _mx_k_blocks(lhs: MXTensor):
+    if lhs.values.shape[1] % MX_BLOCK:
+        raise NotImplementedError(f"block-scaled kernels need K a multiple of {MX_BLOCK}, got {lhs.values.shape[1]}")
+
+
+def _mx_pallas(lhs: MXTensor, rhs: MXTensor, group_sizes, out_dtype=jnp.bfloat16, interpret=False):
+    _mx_k_blocks(lhs)
+    return grouped_matmul_mx_pallas(lhs.values, lhs.scales, rhs.values, rhs.scales, group_sizes, interpret=interpret,
+                                    out_dtype=out_dtype)
+
+
+def _mx_jax_triton(lhs: MXTensor, rhs: MXTensor, group_sizes, out_dtype=jnp.bfloat16):
+    from c2jax.kernels.jax_triton_grouped import grouped_matmul_mx_jax_triton  # lazily: needs a CUDA jaxlib
+
+    _mx_k_blocks(lhs)
+    return grouped_matmul_mx_jax_triton(lhs.values, lhs.scales, rhs.values, rhs.scales, group_sizes,
+                                        out_dtype=out_dtype)
+
+
+dispatch.register(MX_OP, dispatch.Implementation(
+    "pallas_triton", _mx_pallas, ("gpu",), interpretable=True,
+    description="Pallas Triton block-scaled grouped GEMM (FP8 dots, FP32 scale per 32 K; kernels/pallas_grouped.py)"))
+dispatch.register(MX_OP, dispatch.Implementation(
+    "xla", grouped_matmul_mx_xla, ("cpu", "gpu", "tpu"), description="dequantize + capacity-padded FP32 einsum"))
+dispatch.register(MX_OP, dispatch.Implementation(
+    "jax_triton", _mx_jax_triton, ("gpu",), auto=False,
+    description="jax-triton tl.dot_scaled kernel (kernels/jax_triton_grouped.py)"))
+
+
+def grouped_matmul_mx(lhs: MXTensor, rhs: MXTensor, group_sizes: jnp.ndarray, *, impl: str | None = None,
+                      out_dtype=jnp.bfloat16) -> jnp.ndarray:
+    """Block-scaled MXFP8 grouped GEMM through the registry (module docstring): lhs [M, K] and rhs [G, K, N], both
+    quantized along K."""
+    _check(lhs.values, rhs.values, group_sizes)
+    return dispatch.call(MX_OP, lhs, rhs, group_sizes, impl=impl, out_dtype=jnp.dtype(out_dtype))

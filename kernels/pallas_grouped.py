@@ -29,6 +29,8 @@ from jax.experimental.pallas import triton as pltr
 
 from c2jax.kernels.mxfp8 import MX_BLOCK
 
+MX_KERNEL_NAME = "grouped_matmul_mx"  # the block-scaled kernel's pallas_call name (the bf16 one: "grouped_matmul")
+
 
 def _pad_to(a, axis, multiple):
     extra = -a.shape[axis] % multiple
@@ -74,9 +76,9 @@ def _check(lhs, rhs, group_sizes):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret", "out_dtype",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "name"))
 def _grouped(lhs, rhs, group_sizes, lhs_scales=None, rhs_scales=None, *, block_m, block_n, block_k, interpret,
-             out_dtype, num_warps=4, num_stages=3):
+             out_dtype, num_warps=4, num_stages=3, name="grouped_matmul"):
     m, _ = lhs.shape
     num_groups, _, n = rhs.shape
     scaled = lhs_scales is not None
@@ -97,7 +99,7 @@ def _grouped(lhs, rhs, group_sizes, lhs_scales=None, rhs_scales=None, *, block_m
         grid=(num_groups, math.ceil(m / block_m), n_pad // block_n),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="grouped_matmul",
+        name=name,  # in the Triton custom call's backend config: how a lowering check tells the kernels apart
     )(*operands)
     # rows past sum(group_sizes) were never stored: zero them as ragged_dot does
     valid = jnp.arange(m) < offsets[-1]
@@ -128,4 +130,5 @@ def grouped_matmul_mx_pallas(lhs_values, lhs_scales, rhs_values, rhs_scales, gro
         raise ValueError(f"scale shapes {lhs_scales.shape}, {rhs_scales.shape} do not match values "
                          f"{lhs_values.shape}, {rhs_values.shape} with blocks of {MX_BLOCK} along K")
     return _grouped(lhs_values, rhs_values, group_sizes, lhs_scales, rhs_scales, block_m=block_m,
-                    block_n=block_n, block_k=MX_BLOCK, interpret=interpret, out_dtype=jnp.dtype(out_dtype))
+                    block_n=block_n, block_k=MX_BLOCK, interpret=interpret, out_dtype=jnp.dtype(out_dtype),
+                    name=MX_KERNEL_NAME)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from c2jax.kernels import dispatch, qlinear
+from c2jax.kernels import dispatch, grouped_qlinear, qlinear
 from c2jax.models.config import ConfigError, ModelConfig
 from c2jax.models.layers import swiglu_act_grads
 from c2jax.models.moe_routing import Routing
@@ -61,54 +61,111 @@ def _sort_assignments(expert_ids: jnp.ndarray, num_experts: int):
 
 
 def _grouped_ffn(x, routing: Routing, gate_up, down, gemm):
-    """Expert-sorted rows through [gate | up] and down as grouped GEMMs `gemm(lhs, rhs, group_sizes)`, scattered
-    back and combined by the routing weights."""
+    """Expert-sorted rows through [gate | up] and down as grouped GEMMs `gemm(lhs, rhs, group_sizes, src)`,
+    scattered back and combined by the routing weights. The first GEMM's rows are x[src] (the token of each sorted
+    assignment), passed as (x, src) so a kernel may gather them itself (the fused permute + quantize); the second's
+    are its lhs (src None)."""
     k = routing.expert_ids.shape[1]
     _, order, counts, _ = _sort_assignments(routing.expert_ids, gate_up.shape[0])
-    rows = x[order // k]
-    gu = gemm(rows, gate_up.astype(x.dtype), counts)
+    gu = gemm(x, gate_up.astype(x.dtype), counts, order // k)
     gate, up = jnp.split(gu, 2, axis=-1)
-    out_sorted = gemm(jax.nn.silu(gate) * up, down.astype(x.dtype), counts)
+    out_sorted = gemm(jax.nn.silu(gate) * up, down.astype(x.dtype), counts, None)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(x.shape[0], k, -1)
     return jnp.einsum("tkd,tk->td", out, routing.weights.astype(x.dtype))
 
 
+def _gathered(gemm):
+    """A grouped GEMM gemm(lhs, rhs, group_sizes) in _grouped_ffn's form: the rows x[src] gathered by XLA first."""
+    return lambda x, rhs, group_sizes, src: gemm(x if src is None else x[src], rhs, group_sizes)
+
+
 def dispatch_ragged(x, routing: Routing, gate_up, down):
     """Grouped GEMM over expert-sorted rows with jax.lax.ragged_dot."""
-    return _grouped_ffn(x, routing, gate_up, down, jax.lax.ragged_dot)
+    return _grouped_ffn(x, routing, gate_up, down, _gathered(jax.lax.ragged_dot))
 
 
 def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down):
-    """The ragged path with its grouped GEMMs run by the kernel registry (cfg.moe_kernel)."""
-    return _grouped_ffn(x, routing, gate_up, down, partial(_registry_grouped_matmul, cfg.moe_kernel))
+    """The ragged path with its grouped GEMMs run by the kernel registry (cfg.moe_kernel); under
+    moe_quant="mxfp8" the quantized grouped linear of c2jax.kernels.grouped_qlinear (fused permute + MXFP8 quantize,
+    block-scaled grouped GEMM, qlinear's recipe)."""
+    if cfg.moe_quant == "bf16":
+        return _grouped_ffn(x, routing, gate_up, down, _gathered(partial(_registry_grouped_matmul, cfg.moe_kernel)))
+    return _grouped_ffn(x, routing, gate_up, down, partial(grouped_qlinear.grouped_linear, grouped_quant(cfg)))
+
+
+def grouped_quant(cfg: ModelConfig) -> grouped_qlinear.GroupedQuant:
+    """The quantized grouped path's kernels for `cfg`: `moe_kernel` names the block-scaled grouped GEMM
+    (grouped_matmul_mx), and the fused permute + quantize runs the implementation of the same name where the
+    permute_quantize_mx op has one (pallas_triton, xla), else the registry's choice for the device."""
+    from c2jax.kernels.permute import OP as PERMUTE_OP
+
+    recipe = qlinear.get_recipe(cfg.moe_quant, cfg.moe_quant_division)
+    names = {i.name for i in dispatch.implementations(PERMUTE_OP)}
+    permute = cfg.moe_kernel if cfg.moe_kernel in names else None
+    return grouped_qlinear.GroupedQuant(recipe, gemm=cfg.moe_kernel, permute=permute)
+
+
+def _grouped_op(cfg: ModelConfig) -> str:
+    """The registry op that `moe_kernel` names an implementation of: the bf16 or the block-scaled grouped GEMM."""
+    from c2jax.kernels.grouped_gemm import MX_OP, OP
+
+    return OP if cfg.moe_quant == "bf16" else MX_OP
 
 
 def resolve_moe_kernel(cfg: ModelConfig, num_tokens: int = 128) -> ModelConfig:
     """`cfg` with `moe_kernel` set to the grouped GEMM the kernel registry runs for moe_impl="grouped" on this device
     (kernels.dispatch.current_device(): this process's, or `dispatch.target`'s while lowering for another): the
-    implementation `cfg.moe_kernel` names, else the one $C2JAX_KERNEL_IMPL names for grouped_matmul, else the first
-    native one that accepts all four expert GEMMs of this model at `cfg.dtype` (forward of [gate | up] and down, and
+    implementation `cfg.moe_kernel` names, else the one $C2JAX_KERNEL_IMPL names for the op, else the first native
+    one that accepts all four expert GEMMs of this model at `cfg.dtype` (forward of [gate | up] and down, and
     their dlhs in the backward; an implementation may refuse a dtype or shape, e.g. mosaic_sm90 takes bf16 with
-    K % 64 and N % 128 == 0). A run that writes this config and runs it runs exactly that kernel for every GEMM.
-    Other moe_impl values do not use the registry: `cfg` is returned unchanged. ConfigError when the named kernel
-    cannot run here or every candidate refuses a GEMM. `num_tokens` only sizes the abstract operands traced."""
+    K % 64 and N % 128 == 0). The op is grouped_matmul, or under moe_quant="mxfp8" the block-scaled
+    grouped_matmul_mx (pallas_triton needs K % 32 == 0), whose fused permute + quantize `grouped_quant` derives
+    from the name and is checked here too. A run that writes this config and runs it runs exactly that kernel for
+    every GEMM. Other moe_impl values do not use the registry: `cfg` is returned unchanged. ConfigError when the
+    named kernel cannot run here or every candidate refuses a GEMM. `num_tokens` only sizes the abstract operands
+    traced."""
     if cfg.moe_impl != "grouped":
         return cfg
-    from c2jax.kernels.grouped_gemm import OP
-
-    dtype, experts = jnp.dtype(cfg.dtype), cfg.n_routed_experts
     rows, d, f = num_tokens * cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-
-    def gemm(k, n):
-        operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct((experts, k, n), dtype),
-                    jax.ShapeDtypeStruct((experts,), jnp.int32))
-        return operands, {"preferred_element_type": dtype}
-
-    try:  # gate_up and down forward, then dlhs = dout @ rhs^T of each
-        name = dispatch.choose(OP, gemm(d, 2 * f), gemm(f, d), gemm(2 * f, d), gemm(d, f), impl=cfg.moe_kernel)
-    except (ValueError, NotImplementedError) as e:
-        raise ConfigError(f"moe_impl='grouped' cannot run here (moe_kernel={cfg.moe_kernel!r}): {e}") from e
+    gemm = _grouped_gemm_call if cfg.moe_quant == "bf16" else _mx_gemm_call
+    # gate_up and down forward, then dlhs = dout @ rhs^T of each
+    calls = [gemm(cfg, rows, k, n) for k, n in ((d, 2 * f), (f, d), (2 * f, d), (d, f))]
+    try:
+        name = dispatch.choose(_grouped_op(cfg), *calls, impl=cfg.moe_kernel)
+        if cfg.moe_quant != "bf16":
+            _check_permute(cfg.replace(moe_kernel=name), num_tokens, rows)
+    except (ValueError, NotImplementedError, RuntimeError) as e:  # RuntimeError: jax_triton without jax-triton
+        raise ConfigError(f"moe_impl='grouped' cannot run here (moe_kernel={cfg.moe_kernel!r}, "
+                          f"moe_quant={cfg.moe_quant!r}): {e}") from e
     return cfg.replace(moe_kernel=name)
+
+
+def _grouped_gemm_call(cfg: ModelConfig, rows: int, k: int, n: int):
+    """Abstract (args, kwargs) of one bf16/fp32 grouped GEMM of the model: [rows, k] x [E, k, n]."""
+    dtype, experts = jnp.dtype(cfg.dtype), cfg.n_routed_experts
+    operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct((experts, k, n), dtype),
+                jax.ShapeDtypeStruct((experts,), jnp.int32))
+    return operands, {"preferred_element_type": dtype}
+
+
+def _mx_gemm_call(cfg: ModelConfig, rows: int, k: int, n: int):
+    """Abstract (args, kwargs) of one block-scaled grouped GEMM: E4M3 values and E8M0 scales per 32 along k."""
+    from c2jax.kernels.mxfp8 import MX_BLOCK, MXTensor
+
+    experts, blocks, e4m3, e8m0 = cfg.n_routed_experts, -(-k // MX_BLOCK), jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+    lhs = MXTensor(jax.ShapeDtypeStruct((rows, k), e4m3), jax.ShapeDtypeStruct((rows, blocks), e8m0))
+    rhs = MXTensor(jax.ShapeDtypeStruct((experts, k, n), e4m3), jax.ShapeDtypeStruct((experts, blocks, n), e8m0))
+    return (lhs, rhs, jax.ShapeDtypeStruct((experts,), jnp.int32)), {"out_dtype": jnp.dtype(cfg.dtype)}
+
+
+def _check_permute(cfg: ModelConfig, num_tokens: int, rows: int) -> None:
+    """Raise unless the fused permute + quantize `grouped_quant(cfg)` names runs here (where it is used)."""
+    from c2jax.kernels.permute import OP as PERMUTE_OP
+
+    if not grouped_qlinear.fuses_permute(cfg.hidden_size):
+        return
+    x = jax.ShapeDtypeStruct((num_tokens, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    dispatch.choose(PERMUTE_OP, ((x, jax.ShapeDtypeStruct((rows,), jnp.int32)), {}), impl=grouped_quant(cfg).permute)
 
 
 def resolve_loaded_moe_kernel(cfg: ModelConfig, source: str) -> ModelConfig:
@@ -122,10 +179,8 @@ def resolve_loaded_moe_kernel(cfg: ModelConfig, source: str) -> ModelConfig:
     a run directory (rl/eval/agents.py)."""
     if cfg.moe_impl != "grouped" or cfg.moe_kernel is None:
         return cfg
-    from c2jax.kernels.grouped_gemm import OP
-
     platform, kind = dispatch.current_device()
-    named = {i.name: i for i in dispatch.implementations(OP)}.get(cfg.moe_kernel)
+    named = {i.name: i for i in dispatch.implementations(_grouped_op(cfg))}.get(cfg.moe_kernel)
     if named is not None and named.native(platform, kind):
         return cfg
     local = resolve_moe_kernel(cfg.replace(moe_kernel=None))

@@ -20,11 +20,21 @@ Which implementations run, and how:
                  with K % 64 == 0 and N % 128 == 0, so it runs a bf16 variant of `tiny` (hidden 128, expert
                  FFN 128, 1 MoE layer) against the ragged path in the same bf16
   jax_triton     cannot run on CPU: raw Triton through jax-triton, no interpreter, needs a CUDA jaxlib
+
+moe_quant="mxfp8" (cases "mxfp8/<kernel>"): the grouped path's MXFP8 recipe (c2jax.kernels.grouped_qlinear: fused
+permute + MXFP8 quantize, block-scaled grouped GEMM forward and dgrad, wgrad on dequantized operands) against
+moe_impl="sorted" with the same recipe (qlinear's fake quantization on capacity buffers): the same blocks, scales
+and codes, so
+  mxfp8/xla            dequantized operands through an FP32 einsum, as the sorted path: bit for bit
+  mxfp8/pallas_triton  the block-scaled kernel (interpreted) sums per 32-block dot then scales, in FP32: the sums
+                       in another order, 1e-5 of each quantity's scale (a 1-ulp change that moved a value across an
+                       E4M3 rounding boundary downstream would show as ~1e-2 and fail: it did not happen here)
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +44,7 @@ import pytest
 from flax import nnx
 
 from c2jax.kernels import dispatch
-from c2jax.kernels.grouped_gemm import OP
+from c2jax.kernels.grouped_gemm import MX_OP, OP
 from c2jax.models.config import preset
 from c2jax.models.transformer import init
 
@@ -42,12 +52,18 @@ FP32 = preset("tiny").replace(num_nextn_predict_layers=0, moe_impl="ragged")
 # mosaic_sm90's shapes: d and 2f multiples of 128 and 64 for the four GEMMs (forward and dlhs of gate_up, down)
 BF16 = FP32.replace(hidden_size=128, moe_intermediate_size=128, num_hidden_layers=2, dtype="bfloat16")
 
-# kernel -> (reference config, tolerance relative to each quantity's scale; 0: bit for bit)
+# the MXFP8 reference: the sorted path's recipe; expert FFN 32 so every GEMM's K is whole 32-blocks (the Pallas
+# block-scaled kernel's condition)
+MXFP8 = FP32.replace(moe_impl="sorted", moe_quant="mxfp8", moe_intermediate_size=32)
+
+# case ([recipe/]kernel) -> (reference config, tolerance relative to each quantity's scale; 0: bit for bit)
 KERNELS = {
     "ragged_dot": (FP32, 0.0),  # the same lax.ragged_dot calls, dlhs = ragged_dot(dout, rhs^T) = its transpose rule
     "xla": (FP32, 1e-5),
     "pallas_triton": (FP32, 1e-5),
     "mosaic_sm90": (BF16, 2e-2),  # bf16 activations (eps 7.8e-3); fp32 master weights
+    "mxfp8/xla": (MXFP8, 1e-5),  # module docstring
+    "mxfp8/pallas_triton": (MXFP8, 1e-5),
 }
 SLOW = {"mosaic_sm90"}  # each interpreted call ~4 s (132 simulated SMs)
 NOT_ON_CPU = {"jax_triton": "raw Triton through jax-triton: no interpreter, needs a CUDA jaxlib"}
@@ -57,8 +73,13 @@ def kernel_params():
     return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in KERNELS]
 
 
-def _grouped(cfg, kernel):
-    return cfg.replace(moe_impl="grouped", moe_kernel=kernel)
+def _grouped(cfg, case):
+    return cfg.replace(moe_impl="grouped", moe_kernel=case.rpartition("/")[2])
+
+
+def _base(cfg):
+    """The model the weights, batches and replayed experts come from: the same for the case and its reference."""
+    return cfg.replace(moe_impl="ragged", moe_kernel=None, moe_quant="bf16")
 
 
 def _graphdef(cfg, *filters):
@@ -81,13 +102,16 @@ def _compare(kernel, step, got, want, tol, scale):
 
 
 def test_every_grouped_kernel_that_runs_on_cpu_is_checked():
-    """A newly registered grouped_matmul implementation that can run here must be added to KERNELS."""
-    runnable = {i.name for i in dispatch.implementations(OP) if i.interpretable or i.native("cpu", "cpu")}
-    assert runnable == set(KERNELS)
-    assert {i.name for i in dispatch.implementations(OP)} == set(KERNELS) | set(NOT_ON_CPU)
-    for name in KERNELS:
-        impl, interpret = dispatch.candidates(OP, impl=name, platform="cpu", device_kind="cpu")[0]
-        assert impl.name == name and interpret == (name in ("pallas_triton", "mosaic_sm90"))
+    """A newly registered grouped_matmul (or block-scaled grouped_matmul_mx) implementation that can run here must
+    be added to KERNELS."""
+    for op, recipe in ((OP, ""), (MX_OP, "mxfp8")):
+        cases = {c.rpartition("/")[2] for c in KERNELS if c.rpartition("/")[0] == recipe}
+        runnable = {i.name for i in dispatch.implementations(op) if i.interpretable or i.native("cpu", "cpu")}
+        assert runnable == cases
+        assert {i.name for i in dispatch.implementations(op)} == cases | set(NOT_ON_CPU)
+        for name in cases:
+            impl, interpret = dispatch.candidates(op, impl=name, platform="cpu", device_kind="cpu")[0]
+            assert impl.name == name and interpret == (name in ("pallas_triton", "mosaic_sm90"))
 
 
 # training ------------------------------------------------------------------------------------------
@@ -97,7 +121,7 @@ def _train(cfg):
     from c2jax.train.step import init_train_state, make_train_step
 
     tx = optax.sgd(1.0)
-    _, state = init_train_state(init(cfg.replace(moe_impl="ragged", moe_kernel=None), seed=0), tx)
+    _, state = init_train_state(init(_base(cfg), seed=0), tx)
     before = _flat(state.params)
     batch = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.vocab_size)
     step = make_train_step(_graphdef(cfg, nnx.Param, ...), tx, router_bias_rate=1e-3)
@@ -139,9 +163,9 @@ def _rl(cfg):
     rl_cfg = RLConfig(learning_rate=1.0, max_grad_norm=None, compute_entropy=True,
                       loss=LossConfig(policy_loss="ppo", aggregation="seq_mean_token_mean"))
     tx = optax.sgd(1.0)
-    _, state = init_rl_state(init(cfg.replace(moe_impl="ragged", moe_kernel=None), 0), tx, rl_cfg)
+    _, state = init_rl_state(init(_base(cfg), 0), tx, rl_cfg)
     before = _flat(state.params)
-    batch = _rl_batch(cfg.replace(moe_impl="ragged", moe_kernel=None))
+    batch = _rl_batch(_base(cfg))
     assert batch.replay_ids is not None
     step = make_rl_step(_graphdef(cfg, nnx.Param, ...), tx, rl_cfg)
     state, metrics = step(state, jax.tree.map(jnp.asarray, batch))
@@ -173,7 +197,7 @@ def _sample(cfg):
     """Greedy generations of two prompts in two slots: one prefill, then decode chunks of 4 steps."""
     from c2jax.models.inference import EngineConfig, InferenceEngine, Request
 
-    _, state = nnx.split(init(cfg.replace(moe_impl="ragged", moe_kernel=None), 0))
+    _, state = nnx.split(init(_base(cfg), 0))
     engine = InferenceEngine(cfg, _graphdef(cfg), state, config=EngineConfig(slots=2, max_len=32, chunk_steps=4))
     return engine.generate([Request(list(p), 6, temperature=0.0) for p in PROMPTS])
 
@@ -220,6 +244,35 @@ def test_resolve_moe_kernel_names_what_the_registry_runs(monkeypatch):
         resolve_moe_kernel(grouped.replace(moe_kernel="mosaic_sm90"))  # fp32
     with pytest.raises(ConfigError, match="no interpreter"):
         resolve_moe_kernel(grouped.replace(moe_kernel="jax_triton"))
+
+
+def test_resolve_moe_kernel_names_the_mxfp8_kernel_or_refuses_saying_why(monkeypatch):
+    """moe_quant="mxfp8" on the grouped path: moe_kernel names the block-scaled grouped GEMM (grouped_matmul_mx),
+    the fused permute + quantize follows it by name; recipes the grouped path lacks are refused by the config."""
+    from c2jax.models.config import ConfigError
+    from c2jax.models.moe_dispatch import grouped_quant, resolve_moe_kernel
+
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
+    mx = MXFP8.replace(moe_impl="grouped")
+    assert resolve_moe_kernel(mx).moe_kernel == "xla"
+    named = resolve_moe_kernel(mx.replace(moe_kernel="pallas_triton"))
+    assert named.moe_kernel == "pallas_triton" and grouped_quant(named).permute == "pallas_triton"  # interpreted
+    with dispatch.target(*H100):  # no Mosaic GPU form of the block-scaled GEMM: the Triton one
+        assert resolve_moe_kernel(mx).moe_kernel == "pallas_triton"
+        assert resolve_moe_kernel(mx.replace(moe_intermediate_size=16)).moe_kernel == "xla"  # K 16: not 32-blocks
+        if importlib.util.find_spec("jax_triton") is None:  # named: tl.dot_scaled; here it cannot even trace
+            with pytest.raises(ConfigError, match="jax-triton"):
+                resolve_moe_kernel(mx.replace(moe_kernel="jax_triton"))
+    assert grouped_quant(mx.replace(moe_kernel="jax_triton")).permute is None  # no permute of that name: registry's
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul_mx=pallas_triton")
+    assert resolve_moe_kernel(mx).moe_kernel == "pallas_triton"
+    with pytest.raises(ConfigError, match="unknown implementation 'mosaic_sm90'"):
+        resolve_moe_kernel(mx.replace(moe_kernel="mosaic_sm90"))
+    with pytest.raises(ConfigError, match="no interpreter"):
+        resolve_moe_kernel(mx.replace(moe_kernel="jax_triton"))
+    for recipe in ("mxfp8_floor", "nvfp4_per_token_fwd+mxfp8_bwd", "fp8_deepseek"):
+        with pytest.raises(ConfigError, match="moe_impl='grouped' runs moe_quant in"):
+            mx.replace(moe_quant=recipe)
 
 
 def test_a_loaded_runs_kernel_from_another_device_is_resolved_for_this_one(monkeypatch, capsys):

@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from c2jax.kernels import dispatch, fp8_deepseek, mxfp8, nvfp4, qlinear
-from c2jax.kernels.grouped_gemm import grouped_matmul, grouped_matmul_reference, grouped_matmul_xla
+from c2jax.kernels.grouped_gemm import (
+    MX_OP,
+    grouped_matmul,
+    grouped_matmul_mx,
+    grouped_matmul_reference,
+    grouped_matmul_xla,
+)
 from c2jax.kernels.pallas_grouped import grouped_matmul_mx_pallas, grouped_matmul_pallas
 from c2jax.kernels.permute import permute_quantize_mx
 
@@ -251,6 +257,109 @@ def test_grouped_matmul_mx_pallas_matches_dequantized_reference():
                                    interpret=True, out_dtype=jnp.float32)
     ref = grouped_matmul_reference(mxfp8.dequantize_mx(ql, axis=1), mxfp8.dequantize_mx(qr, axis=1), gs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def mx_operands(k=64, n=32):
+    lhs, rhs, gs = grouped_operands(k=k, n=n)
+    return mxfp8.quantize_mx(lhs, axis=1), mxfp8.quantize_mx(rhs, axis=1), gs
+
+
+def test_grouped_matmul_mx_registry_pallas_interpret_matches_xla_reference():
+    """The registry's block-scaled grouped GEMM (op grouped_matmul_mx): the Pallas kernel interpreted against the
+    XLA reference (dequantize, FP32 einsum). Products of E4M3 values are exact in FP32; the kernel sums per 32-block
+    and scales, the reference sums over K: the same terms in another order, hence 1e-5, not 0."""
+    ql, qr, gs = mx_operands()
+    ref = np.asarray(grouped_matmul_mx(ql, qr, gs, impl="xla", out_dtype=jnp.float32))
+    want = grouped_matmul_reference(mxfp8.dequantize_mx(ql, axis=1), mxfp8.dequantize_mx(qr, axis=1), gs)
+    np.testing.assert_allclose(ref, np.asarray(want), rtol=1e-5, atol=1e-5)
+    out = np.asarray(grouped_matmul_mx(ql, qr, gs, impl="pallas_triton", out_dtype=jnp.float32))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not out[sum(GROUP_SIZES):].any() and not ref[sum(GROUP_SIZES):].any()
+    assert dispatch.choose(MX_OP) == "xla"  # on CPU; the interpreter only when named
+    names = [i.name for i, _ in dispatch.candidates(MX_OP, platform="gpu", device_kind="NVIDIA B200")]
+    assert names == ["pallas_triton", "xla"]  # jax_triton only when named
+    ql40, qr40, gs = mx_operands(k=40)  # K not whole 32-blocks: the kernel refuses, the registry falls through
+    with pytest.raises(NotImplementedError, match="multiple of 32"):
+        grouped_matmul_mx(ql40, qr40, gs, impl="pallas_triton")
+    assert grouped_matmul_mx(ql40, qr40, gs).shape == (ql40.values.shape[0], 32)
+
+
+def _capacity_reference(recipe, capacity):
+    """The sorted path's form of grouped_qlinear.grouped_linear: rows in [G, C, K] capacity buffers through
+    qlinear.quantized_bmm (fake quantization), gathered back to rows."""
+    def linear(x, w, gs, src):
+        starts = jnp.cumsum(gs) - gs
+        c = jnp.arange(capacity)
+        pos = jnp.where(c[None] < gs[:, None], starts[:, None] + c[None], src.shape[0])  # empty slot: a zero row
+        rows = jnp.concatenate([x, jnp.zeros_like(x[:1])])[jnp.concatenate([src, jnp.full((1,), x.shape[0])])]
+        out = qlinear.quantized_bmm(rows[pos], w, recipe)  # [G, C, N]
+        group = jnp.searchsorted(jnp.cumsum(gs), jnp.arange(src.shape[0]), side="right")
+        slot = jnp.where(group < gs.shape[0], group * capacity + jnp.arange(src.shape[0]) - starts[
+            jnp.minimum(group, gs.shape[0] - 1)], gs.shape[0] * capacity)
+        return jnp.concatenate([out.reshape(-1, out.shape[-1]), jnp.zeros_like(out[0, :1])])[slot]
+    return linear
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas_triton"])
+def test_grouped_qlinear_mxfp8_equals_the_sorted_paths_quantization(kernels):
+    """c2jax.kernels.grouped_qlinear (fused permute + MXFP8 quantize, block-scaled grouped GEMM for fprop and dgrad,
+    wgrad over group-aligned 32-row blocks) against qlinear on capacity buffers, the sorted path's recipe: the same
+    codes and scales everywhere (the next test checks the wgrad's bit for bit), so only FP32 sums differ in order:
+    XLA:CPU's dots of other shapes (measured: y and dx equal, dw 7.6e-6 of 137), the Pallas block-scaled kernel's
+    per-32-block partial sums (interpreted). Tolerance 1e-5 of each quantity's scale for both.
+    Groups of 0, 1, 31, 33 rows (blocks along M at each group's start), 3 rows past the groups (zeros)."""
+    from c2jax.kernels.grouped_qlinear import GroupedQuant, grouped_linear
+
+    rng = np.random.default_rng(11)
+    t, k, n = 20, 64, 32
+    x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.uniform(-3, 3, (t, 1))), jnp.float32)
+    gs = jnp.asarray(GROUP_SIZES, jnp.int32)
+    src = jnp.asarray(np.concatenate([rng.integers(0, t, sum(GROUP_SIZES)), [t, t, t]]), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((len(GROUP_SIZES), k, n)) / 8, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((src.shape[0], n)), jnp.float32)
+    recipe = qlinear.get_recipe("mxfp8")
+    q = GroupedQuant(recipe, gemm=kernels, permute=kernels)
+    value_and_vjp = lambda fn: jax.jit(lambda x, w: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fn, x, w)))
+    got = value_and_vjp(lambda x, w: grouped_linear(q, x, w, gs, src))(x, w)
+    want = value_and_vjp(lambda x, w: _capacity_reference(recipe, 40)(x, w, gs, src))(x, w)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        diff = np.abs(a - b).max()
+        print(f"[grouped_qlinear {kernels}] {name}: max |diff| {diff:.3g} of scale {np.abs(b).max():.3g}")
+        assert diff <= 1e-5 * np.abs(b).max(), (name, diff)
+    assert not np.asarray(got[0][sum(GROUP_SIZES):]).any()
+
+
+def test_grouped_wgrad_quantizes_the_blocks_of_the_capacity_buffers_bit_for_bit():
+    """The wgrad operands' quantization along M in group-aligned 32-row blocks is, row for row, the sorted path's
+    quantization along the capacity axis of [G, C, .] buffers: the same codes and scales (bit for bit); only the
+    wgrad's FP32 sum (ragged_dot_general vs a batched einsum) differs in order."""
+    from c2jax.kernels.grouped_qlinear import group_aligned
+
+    rng = np.random.default_rng(12)
+    sizes = np.asarray(GROUP_SIZES)
+    m, capacity = int(sizes.sum()), 40
+    a = jnp.asarray(rng.standard_normal((m, 48)) * np.exp(rng.uniform(-6, 6, (m, 1))), jnp.float32)
+    aligned, _ = group_aligned(a, jnp.asarray(sizes))
+    deq, _ = mxfp8.fake_quantize_mx(aligned, 0)
+    starts, pstarts = np.cumsum(sizes) - sizes, np.cumsum(-(-sizes // 32) * 32) - -(-sizes // 32) * 32
+    buffers = np.zeros((len(sizes), capacity, 48), np.float32)
+    for g, (s0, n) in enumerate(zip(starts, sizes)):
+        buffers[g, :n] = np.asarray(a)[s0:s0 + n]
+    buf_deq = np.asarray(mxfp8.fake_quantize_mx(jnp.asarray(buffers), 1)[0])
+    for g, (p0, n) in enumerate(zip(pstarts, sizes)):
+        np.testing.assert_array_equal(np.asarray(deq)[p0:p0 + n], buf_deq[g, :n])
+
+
+def test_grouped_qlinear_refuses_recipes_that_need_masks():
+    from c2jax.kernels.grouped_qlinear import GroupedQuant, group_aligned
+
+    for recipe in ("mxfp8_floor", "nvfp4_per_token_fwd+mxfp8_bwd", "fp8_deepseek"):
+        with pytest.raises(ValueError, match="RCEIL"):
+            GroupedQuant(qlinear.get_recipe(recipe))
+    a, sizes = group_aligned(jnp.arange(1.0, 6.0)[:, None], jnp.asarray([2, 0, 3]), block=4)
+    assert a.shape == (4 * 4, 1) and sizes.tolist() == [4, 0, 4]  # 5 + 3 x 3 rows, rounded up to 4
+    assert a[:, 0].tolist() == [1, 2, 0, 0, 3, 4, 5] + [0] * 9
 
 
 def test_registry_selection_and_overrides(monkeypatch):
