@@ -192,6 +192,7 @@ def test_lower_only_lowers_every_device_program_for_cuda(tmp_path):
     assert any(c.startswith("__cudnn$fmha") for c in rows["attention/cudnn/gqa(small-qwen3-moe)"]["custom_calls"])
     assert "all_gather" in rows["attention/context_parallel/cp8(medium)"]["collectives"]
     assert {"all_gather", "reduce_scatter"} <= set(rows["train_step/medium/mxfp8 fsdp2 x expert4"]["collectives"])
+    assert rows["train_step/medium/moe grouped mxfp8 (H100: pallas_triton)"]["missing"] == []  # both MX kernels
     # the raw Triton kernels to PTX: skipped, saying why, where triton is not installed (not a project dependency)
     ptx = report["triton_ptx"]
     assert ("triton is not installed" in ptx["skipped"]) if "skipped" in ptx else all(r["ok"] for r in ptx["kernels"])
@@ -228,6 +229,12 @@ def test_a_silent_fallback_or_an_unlowerable_kernel_fails_the_lowering_check(mon
                         lambda lhs, rhs, sizes, **_: grouped_gemm.grouped_matmul_reference(lhs, rhs, sizes))
     fallback = lowering.lower_one(by_name["kernel/grouped_gemm/pallas_triton"])
     assert not fallback.ok and fallback.missing == ["__gpu$xla.gpu.triton"] and fallback.error is None
+    # the model's MXFP8 grouped GEMM falling back to the XLA reference: the permute kernel's Triton call remains,
+    # the block-scaled kernel's name is missing
+    monkeypatch.setenv("C2JAX_KERNEL_IMPL", "grouped_matmul_mx=xla")
+    mx = lowering.lower_one(by_name["train_step/medium/moe grouped mxfp8 (H100: pallas_triton)"])
+    assert not mx.ok and mx.missing == [lowering.MX_GEMM_MARKER] and mx.error is None
+    monkeypatch.delenv("C2JAX_KERNEL_IMPL")
 
     def amax_with_any(xb, axis=-1):
         return jnp.where(jnp.isnan(xb).any(axis), jnp.float32(jnp.nan), jnp.max(jnp.abs(xb), axis=axis))

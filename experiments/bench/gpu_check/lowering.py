@@ -33,6 +33,9 @@ from pathlib import Path
 
 CUDNN_VERSION = 90800  # cuDNN 9.8, as in the CUDA 12 JAX wheels' requirement
 COMPUTE_CAPABILITY = "9.0"  # Hopper (H100 / H200)
+# the Pallas kernels' names in their Triton custom calls' backend config: which kernel, not just "some Triton"
+MX_GEMM_MARKER = 'name = "grouped_matmul_mx"'  # kernels/pallas_grouped.py MX_KERNEL_NAME
+PERMUTE_MARKER = 'name = "permute_quantize_mx"'  # kernels/permute.py
 CUSTOM_CALL = re.compile(r"custom_call @([^\s(]+)")
 COLLECTIVE = re.compile(r"stablehlo\.(all_gather|all_reduce|reduce_scatter|all_to_all|collective_permute)")
 
@@ -294,6 +297,11 @@ PROGRAMS: tuple[Program, ...] = (
     Program("train_step/medium/moe grouped (B200: pallas_triton)", _train_step("medium", "bf16", 8, 4096,
                                                                            moe_impl="grouped"),
             ("__gpu$xla.gpu.triton",), device_kind="NVIDIA B200"),
+    # the MXFP8 recipe on the grouped path (kernels/grouped_qlinear.py): the fused permute + quantize and the
+    # block-scaled grouped GEMM (forward and dgrad), each found by its Pallas kernel's name in the Triton call
+    Program("train_step/medium/moe grouped mxfp8 (H100: pallas_triton)", _train_step("medium", "mxfp8", 8, 4096,
+                                                                                 moe_impl="grouped"),
+            ("__gpu$xla.gpu.triton", MX_GEMM_MARKER, PERMUTE_MARKER), device_kind="NVIDIA H100 80GB HBM3"),
     Program("sampler/prefill/medium/moe grouped (H200)", _sampler_step("medium", 16, 2048, 4096, decode=False,
                                                                        moe_impl="grouped"),
             ("mosaic_gpu_v2",), device_kind="NVIDIA H200"),
