@@ -28,17 +28,16 @@ def inputs(cfg, batch=2, seq=24, seed=1):
     return jax.random.normal(jax.random.key(seed), (batch, seq, cfg.hidden_size))
 
 
-def with_config(cfg, graphdef):
-    """`graphdef` running `cfg` (the module keeps its config in the graph definition, not in the state): the
-    parameters of `make(other)` run by `cfg`'s dispatch path."""
-    del graphdef
+def with_config(cfg):
+    """A graph definition running `cfg` (the module keeps its config in the graph definition, not in the state):
+    merged with the state of `make(other)`, that layer's parameters run by `cfg`'s dispatch path."""
     return nnx.split(nnx.eval_shape(lambda: MoE(cfg, nnx.Rngs(params=0))))[0]
 
 
 def value_and_grads(cfg, graphdef, state, x, replay_ids=None):
     """Forward output and gradients w.r.t. every parameter and the input, for a fixed random cotangent, with the
     layer run by `cfg`."""
-    graphdef = with_config(cfg, graphdef)
+    graphdef = with_config(cfg)
     cot = jax.random.normal(jax.random.key(7), x.shape)
 
     def loss(params, rest, x):
@@ -248,12 +247,12 @@ def test_grouped_moe_path_runs_the_registry_kernels_and_equals_ragged_dot():
 
 def _forward(cfg, graphdef, state, x, replay_ids=None):
     """The MoE layer's output run by `cfg` without autodiff (sorted: the FORWARD_OP registry call)."""
-    graphdef = with_config(cfg, graphdef)
+    graphdef = with_config(cfg)
     return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, replay_ids)[0])(state, x)
 
 
 def _primitives(cfg, graphdef, state, x, replay_ids=None):
-    graphdef = with_config(cfg, graphdef)
+    graphdef = with_config(cfg)
     return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, replay_ids)[0]).lower(state, x).as_text()
 
 
