@@ -75,7 +75,8 @@ def implementations(op: str) -> list[Implementation]:
         raise ValueError(f"unknown kernel op {op!r}; registered: {sorted(_REGISTRY)}") from None
 
 
-def _env_override(op: str) -> str | None:
+def env_override(op: str) -> str | None:
+    """The implementation $C2JAX_KERNEL_IMPL names for `op` ("op=impl,op2=impl2"), or None."""
     for item in filter(None, os.environ.get(ENV_OVERRIDE, "").split(",")):
         name, _, value = item.partition("=")
         if name.strip() == op:
@@ -100,7 +101,7 @@ def candidates(op: str, impl: str | None = None, platform: str | None = None,
         here = current_device()
         platform, device_kind = platform or here[0], device_kind if device_kind is not None else here[1]
     impls = implementations(op)
-    impl = impl or _env_override(op)
+    impl = impl or env_override(op)
     if impl is not None:
         chosen = [i for i in impls if i.name == impl]
         if not chosen:

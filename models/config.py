@@ -10,7 +10,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-MOE_IMPLS = ("sorted", "ragged", "dense", "grouped")
+# "auto": the path `models.moe_dispatch.moe_path` picks for the device (grouped where the kernel registry has a
+# device kernel for the grouped GEMM, i.e. on GPUs; sorted elsewhere); the others name one path
+MOE_IMPLS = ("auto", "sorted", "ragged", "dense", "grouped")
 MOE_EP_IMPLS = ("allgather", "ragged_a2a")
 # c2jax.kernels.qlinear.RECIPES (kept literal here so the config imports nothing; tests check the two agree)
 MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_per_tensor_fwd+mxfp8_bwd",
@@ -150,9 +152,11 @@ class ModelConfig:
     # execution (not part of the HF format)
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights)
-    moe_impl: str = "sorted"  # "sorted": sort + capacity-bucketed einsum (fast, dropless);
-    # "ragged": jax.lax.ragged_dot; "dense": every expert on every token (oracle); "grouped": the kernel
-    # registry's grouped GEMM (kernels/grouped_gemm.py: Pallas Triton / Mosaic GPU on GPUs, XLA on CPU)
+    moe_impl: str = "auto"  # "auto": grouped on devices with a grouped-GEMM kernel (GPUs), else sorted
+    # (models.moe_dispatch.moe_path; a run's resolved config names the path it ran); "sorted": sort +
+    # capacity-bucketed einsum (fast, dropless); "ragged": jax.lax.ragged_dot; "dense": every expert on every token
+    # (oracle); "grouped": the kernel registry's grouped GEMM (kernels/grouped_gemm.py: Pallas Triton / Mosaic GPU on
+    # GPUs, XLA on CPU)
     # the "grouped" path's implementation (kernels.grouped_gemm; None: the registry's first for the device kind,
     # $C2JAX_KERNEL_IMPL overrides; a GPU kernel named on CPU runs in Pallas' interpreter)
     moe_kernel: str | None = None
@@ -264,7 +268,7 @@ class ModelConfig:
             raise ConfigError(
                 f"moe_quant_division must be one of {MOE_QUANT_DIVISIONS}, got {self.moe_quant_division!r}"
             )
-        if self.moe_quant != "bf16" and self.moe_impl not in ("sorted", "grouped"):
+        if self.moe_quant != "bf16" and self.moe_impl not in ("auto", "sorted", "grouped"):
             raise ConfigError(f"moe_quant={self.moe_quant!r} needs moe_impl='sorted' (or 'grouped' for "
                               f"{MOE_QUANT_GROUPED[1:]}), got {self.moe_impl!r}")
         if self.moe_impl == "grouped" and self.moe_quant not in MOE_QUANT_GROUPED:

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from c2jax.models.config import ModelConfig
+from c2jax.models.config import MOE_QUANT_GROUPED, ModelConfig
 from c2jax.models.logical import active_mesh_axes, batch_axes
-from c2jax.models.moe_dispatch import dispatch_sorted
+from c2jax.models.moe_dispatch import dispatch_local, grouped_gemm_fn, moe_path
 from c2jax.models.moe_routing import Routing, route
 
 
@@ -97,12 +97,12 @@ def moe_expert_parallel(cfg: ModelConfig, x, w_router, bias, gate_up, down, repl
 
         def experts(flat, routing):
             if not ep_axes:  # every expert on every rank: its own tokens only, nothing to exchange
-                return dispatch_sorted(cfg, flat, routing, gate_up, down)
+                return dispatch_local(cfg, flat, routing, gate_up, down)
             if cfg.moe_ep_impl == "ragged_a2a" and gathered:
                 return _ragged_a2a_experts(cfg, flat, routing, gate_up, down, first, ep_axes, ep)
             if gathered:
                 return _allgather_experts(cfg, flat, routing, gate_up, down, first, ep_axes)
-            return jax.lax.psum(dispatch_sorted(cfg, flat, routing, gate_up, down, first), _axis(ep_axes))
+            return jax.lax.psum(dispatch_local(cfg, flat, routing, gate_up, down, first), _axis(ep_axes))
 
         y = experts(flat, routing) if not ep_axes else _in_token_chunks(cfg, experts, flat, routing)
         counts = routing.counts if not token_axes else jax.lax.psum(routing.counts, _axis(token_axes))
@@ -160,7 +160,7 @@ def _allgather_experts(cfg, flat, routing: Routing, gate_up, down, first, ep_axe
     axis = _axis(ep_axes)
     gather = partial(jax.lax.all_gather, axis_name=axis, tiled=True)
     everyone = Routing(gather(routing.expert_ids), gather(routing.weights), routing.counts, None)
-    partial_out = dispatch_sorted(cfg, gather(flat), everyone, gate_up, down, first)
+    partial_out = dispatch_local(cfg, gather(flat), everyone, gate_up, down, first)
     return jax.lax.psum_scatter(partial_out, axis, scatter_dimension=0, tiled=True)
 
 
@@ -177,6 +177,14 @@ def _recv_buckets(cfg: ModelConfig, rows: int, ep: int) -> tuple[int, ...]:
 
 
 def _ragged_a2a_experts(cfg, flat, routing: Routing, gate_up, down, first, ep_axes, ep):
+    # the received rows are already sorted by expert: grouped GEMMs, the registry's on the grouped path
+    if moe_path(cfg) == "grouped":
+        gemm = grouped_gemm_fn(cfg)
+    elif cfg.moe_quant == "bf16":
+        gemm = lambda lhs, rhs, sizes, src: jax.lax.ragged_dot(lhs, rhs, sizes)  # noqa: E731
+    else:
+        raise ValueError(f"moe_ep_impl='ragged_a2a' runs the experts as grouped GEMMs: moe_quant={cfg.moe_quant!r} "
+                         f"needs moe_impl='grouped' (it runs {MOE_QUANT_GROUPED}), got {cfg.moe_impl!r}")
     axis = _axis(ep_axes)
     num_local = gate_up.shape[0]
     t, k = routing.expert_ids.shape
@@ -209,9 +217,9 @@ def _ragged_a2a_experts(cfg, flat, routing: Routing, gate_up, down, first, ep_ax
             by_expert = jnp.argsort(local_ids, stable=True)
             group_sizes = jnp.zeros((num_local + 1,), jnp.int32).at[local_ids].add(1)[:num_local]
             h = received[by_expert]
-            gu = jax.lax.ragged_dot(h, gate_up.astype(h.dtype), group_sizes)
+            gu = gemm(h, gate_up.astype(h.dtype), group_sizes, None)
             gate, up = jnp.split(gu, 2, axis=-1)
-            out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down.astype(h.dtype), group_sizes)
+            out = gemm(jax.nn.silu(gate) * up, down.astype(h.dtype), group_sizes, None)
             out = jnp.zeros_like(out).at[by_expert].set(out)
             back = jnp.zeros((rows, flat.shape[1]), flat.dtype)
             return jax.lax.ragged_all_to_all(out, back, recv_offsets, recv_sizes, offsets[:, me],

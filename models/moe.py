@@ -1,6 +1,7 @@
-"""The DeepSeek-V3 MoE layer: router (models/moe_routing.py), routed experts through one of three dropless
-dispatch paths (models/moe_dispatch.py, `ModelConfig.moe_impl`), and shared experts. Under logical rules that
-shard the experts or the tokens, the routed part runs expert-parallel (models/expert_parallel.py).
+"""The DeepSeek-V3 MoE layer: router (models/moe_routing.py), routed experts through one of the dropless dispatch
+paths (models/moe_dispatch.py, `ModelConfig.moe_impl`; "auto": grouped on GPUs, sorted elsewhere), and shared
+experts. Under logical rules that shard the experts or the tokens, the routed part runs expert-parallel
+(models/expert_parallel.py) on the same path, each rank's experts through it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from c2jax.models.config import ModelConfig
 from c2jax.models.expert_parallel import moe_expert_parallel, token_parallel_mesh
 from c2jax.models.layers import MLP, RouterBias, param
 from c2jax.models.logical import active_mesh_axes
-from c2jax.models.moe_dispatch import dispatch_dense, dispatch_grouped, dispatch_ragged, dispatch_sorted
+from c2jax.models.moe_dispatch import (
+    dispatch_dense,
+    dispatch_grouped,
+    dispatch_ragged,
+    dispatch_sorted,
+    moe_path,
+)
 from c2jax.models.moe_routing import route
 
 
@@ -35,7 +42,8 @@ class MoE(nnx.Module):
         cfg = self.cfg
         batch, seq, d = x.shape
         gate_up, down = self.gate_up_proj[...], self.down_proj[...]
-        sharded_tokens = cfg.moe_impl == "sorted" and token_parallel_mesh() is not None
+        impl = moe_path(cfg)  # "auto" resolved for the device the kernels are chosen for
+        sharded_tokens = impl in ("sorted", "grouped") and token_parallel_mesh() is not None
         if active_mesh_axes("experts") is not None or sharded_tokens:
             y, routing = moe_expert_parallel(cfg, x, self.gate[...], self.e_score_correction_bias[...],
                                              gate_up, down, replay_ids)
@@ -45,11 +53,11 @@ class MoE(nnx.Module):
         flat = x.reshape(batch * seq, d)
         replay = None if replay_ids is None else replay_ids.reshape(batch * seq, -1)
         routing = route(cfg, flat, self.gate[...], self.e_score_correction_bias[...], replay)
-        if cfg.moe_impl == "dense":
+        if impl == "dense":
             y = dispatch_dense(flat, routing, gate_up, down)
-        elif cfg.moe_impl == "ragged":
+        elif impl == "ragged":
             y = dispatch_ragged(flat, routing, gate_up, down)
-        elif cfg.moe_impl == "grouped":
+        elif impl == "grouped":
             y = dispatch_grouped(cfg, flat, routing, gate_up, down)
         else:
             y = dispatch_sorted(cfg, flat, routing, gate_up, down)

@@ -23,6 +23,7 @@ Dispatch paths (`ModelConfig.moe_impl`):
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 from typing import NamedTuple
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from c2jax.kernels import dispatch, grouped_qlinear, qlinear
-from c2jax.models.config import ConfigError, ModelConfig
+from c2jax.models.config import MOE_QUANT_GROUPED, ConfigError, ModelConfig
 from c2jax.models.layers import swiglu_act_grads
 from c2jax.models.moe_routing import Routing
 
@@ -60,13 +61,20 @@ def _sort_assignments(expert_ids: jnp.ndarray, num_experts: int):
     return flat, order, counts, starts
 
 
-def _grouped_ffn(x, routing: Routing, gate_up, down, gemm):
+def _grouped_ffn(x, routing: Routing, gate_up, down, gemm, first_expert=None):
     """Expert-sorted rows through [gate | up] and down as grouped GEMMs `gemm(lhs, rhs, group_sizes, src)`,
     scattered back and combined by the routing weights. The first GEMM's rows are x[src] (the token of each sorted
     assignment), passed as (x, src) so a kernel may gather them itself (the fused permute + quantize); the second's
-    are its lhs (src None)."""
-    k = routing.expert_ids.shape[1]
-    _, order, counts, _ = _sort_assignments(routing.expert_ids, gate_up.shape[0])
+    are its lhs (src None). With `first_expert` (expert parallelism), gate_up / down hold experts first_expert ..
+    first_expert + E_local - 1 only: the other assignments sort after every local group, past sum(group_sizes),
+    where every grouped GEMM gives zeros, so they add nothing here (another rank computes them)."""
+    k, num_local = routing.expert_ids.shape[1], gate_up.shape[0]
+    ids = routing.expert_ids
+    if first_expert is not None:
+        ids = ids - first_expert
+        ids = jnp.where((ids >= 0) & (ids < num_local), ids, num_local)
+    _, order, counts, _ = _sort_assignments(ids, num_local + (first_expert is not None))
+    counts = counts[:num_local]
     gu = gemm(x, gate_up.astype(x.dtype), counts, order // k)
     gate, up = jnp.split(gu, 2, axis=-1)
     out_sorted = gemm(jax.nn.silu(gate) * up, down.astype(x.dtype), counts, None)
@@ -84,13 +92,52 @@ def dispatch_ragged(x, routing: Routing, gate_up, down):
     return _grouped_ffn(x, routing, gate_up, down, _gathered(jax.lax.ragged_dot))
 
 
-def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down):
+def dispatch_grouped(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_expert=None):
     """The ragged path with its grouped GEMMs run by the kernel registry (cfg.moe_kernel); under
     moe_quant="mxfp8" the quantized grouped linear of c2jax.kernels.grouped_qlinear (fused permute + MXFP8 quantize,
-    block-scaled grouped GEMM, qlinear's recipe)."""
+    block-scaled grouped GEMM, qlinear's recipe). `first_expert`: as in `_grouped_ffn` (expert parallelism)."""
+    return _grouped_ffn(x, routing, gate_up, down, grouped_gemm_fn(cfg), first_expert)
+
+
+def grouped_gemm_fn(cfg: ModelConfig):
+    """The grouped GEMM `gemm(x, rhs, group_sizes, src)` (as `_grouped_ffn` calls it) of moe_impl="grouped": the
+    registry's bf16 grouped GEMM, or the quantized grouped linear of cfg.moe_quant."""
     if cfg.moe_quant == "bf16":
-        return _grouped_ffn(x, routing, gate_up, down, _gathered(partial(_registry_grouped_matmul, cfg.moe_kernel)))
-    return _grouped_ffn(x, routing, gate_up, down, partial(grouped_qlinear.grouped_linear, grouped_quant(cfg)))
+        return _gathered(partial(_registry_grouped_matmul, cfg.moe_kernel))
+    return partial(grouped_qlinear.grouped_linear, grouped_quant(cfg))
+
+
+def dispatch_local(cfg: ModelConfig, x, routing: Routing, gate_up, down, first_expert=None):
+    """One device's routed experts on the path `moe_path(cfg)` names: grouped or sorted (what expert parallelism
+    runs on each rank; `first_expert`: the rank's first expert, None when it holds them all)."""
+    if moe_path(cfg) == "grouped":
+        return dispatch_grouped(cfg, x, routing, gate_up, down, first_expert)
+    return dispatch_sorted(cfg, x, routing, gate_up, down, first_expert)
+
+
+def moe_path(cfg: ModelConfig) -> str:
+    """The dispatch path cfg.moe_impl runs on the device kernels are chosen for (kernels.dispatch.current_device:
+    this process's, or the lowering target's): the named one, or for "auto" "grouped" where the kernel registry's
+    grouped GEMM for cfg has a device kernel (the first implementation it picks for the model's GEMMs is not the XLA
+    fallback: Mosaic GPU / Pallas Triton on GPUs, or one $C2JAX_KERNEL_IMPL names; or cfg.moe_kernel names one)
+    and cfg.moe_quant runs on the grouped path; "sorted" otherwise (CPU, TPU, the recipes that need
+    straight-through masks), whose capacity einsum beats the XLA grouped fallback there."""
+    if cfg.moe_impl != "auto":
+        return cfg.moe_impl
+    return _auto_path(cfg, *dispatch.current_device(), dispatch.env_override(_grouped_op(cfg)))
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_path(cfg: ModelConfig, platform: str, kind: str, override: str | None) -> str:
+    if cfg.moe_quant not in MOE_QUANT_GROUPED:
+        return "sorted"
+    if cfg.moe_kernel is not None:  # naming a grouped kernel chooses the grouped path
+        return "grouped"
+    try:
+        kernel = resolve_moe_kernel(cfg.replace(moe_impl="grouped", moe_kernel=cfg.moe_kernel)).moe_kernel
+    except ConfigError:  # no grouped kernel accepts this model's GEMMs here
+        return "sorted"
+    return "sorted" if kernel == "xla" else "grouped"
 
 
 def grouped_quant(cfg: ModelConfig) -> grouped_qlinear.GroupedQuant:
@@ -121,9 +168,12 @@ def resolve_moe_kernel(cfg: ModelConfig, num_tokens: int = 128) -> ModelConfig:
     K % 64 and N % 128 == 0). The op is grouped_matmul, or under moe_quant="mxfp8" the block-scaled
     grouped_matmul_mx (pallas_triton needs K % 32 == 0), whose fused permute + quantize `grouped_quant` derives
     from the name and is checked here too. A run that writes this config and runs it runs exactly that kernel for
-    every GEMM. Other moe_impl values do not use the registry: `cfg` is returned unchanged. ConfigError when the
-    named kernel cannot run here or every candidate refuses a GEMM. `num_tokens` only sizes the abstract operands
-    traced."""
+    every GEMM. moe_impl="auto" is first replaced by the path it takes here (`moe_path`), so the resolved config
+    names the path and kernel that ran. Other moe_impl values do not use the registry: `cfg` is returned unchanged.
+    ConfigError when the named kernel cannot run here or every candidate refuses a GEMM. `num_tokens` only sizes the
+    abstract operands traced."""
+    if cfg.moe_impl == "auto":
+        cfg = cfg.replace(moe_impl=moe_path(cfg))
     if cfg.moe_impl != "grouped":
         return cfg
     rows, d, f = num_tokens * cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size

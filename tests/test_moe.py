@@ -311,3 +311,68 @@ def test_tiled_forward_steps_aside_at_decode_sizes_and_for_quantized_experts():
     assert "stablehlo.case" in _primitives(cfg, graphdef, state, inputs(cfg, 4, 16))  # 64 tokens: 16 per expert
     big = inputs(cfg, 4, 64)
     assert "stablehlo.case" in _primitives(cfg.replace(moe_quant="mxfp8"), *make(cfg.replace(moe_quant="mxfp8")), big)
+
+
+H100, B200 = "NVIDIA H100 80GB HBM3", "NVIDIA B200"
+
+
+@pytest.mark.parametrize("device, quant, path, kernel", [
+    (None, "bf16", "sorted", None),  # CPU: the registry's only grouped GEMM is the XLA fallback
+    (("gpu", H100), "bf16", "grouped", "mosaic_sm90"),
+    (("gpu", H100), "mxfp8", "grouped", "pallas_triton"),
+    (("gpu", B200), "bf16", "grouped", "pallas_triton"),
+    (("gpu", H100), "mxfp8_floor", "sorted", None),  # saturating recipe: straight-through masks, sorted path
+    (("tpu", "TPU v5p"), "bf16", "sorted", None),
+])
+def test_auto_moe_impl_runs_the_grouped_kernels_where_the_device_has_them(device, quant, path, kernel):
+    """moe_impl="auto" (the default) takes the grouped path through the kernel registry where its grouped GEMM has a
+    device kernel, the sorted einsum elsewhere; resolve_moe_kernel writes the path and kernel into the config."""
+    import contextlib
+
+    from c2jax.kernels import dispatch
+    from c2jax.models.moe_dispatch import moe_path, resolve_moe_kernel
+
+    cfg = preset("medium").replace(dtype="bfloat16", moe_quant=quant)
+    assert cfg.moe_impl == "auto"
+    with dispatch.target(*device) if device else contextlib.nullcontext():
+        assert moe_path(cfg) == path
+        resolved = resolve_moe_kernel(cfg)
+    assert (resolved.moe_impl, resolved.moe_kernel) == (path, kernel)
+
+
+def test_auto_moe_impl_follows_the_kernel_override(monkeypatch):
+    """$C2JAX_KERNEL_IMPL naming an interpretable kernel, or a config naming one, chooses the grouped path on CPU too;
+    naming the XLA fallback for the op keeps auto on the sorted path."""
+    from c2jax.kernels import dispatch
+    from c2jax.models.moe_dispatch import moe_path, resolve_moe_kernel
+
+    assert moe_path(TINY) == "sorted"
+    assert moe_path(TINY.replace(moe_kernel="xla")) == "grouped"
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul=pallas_triton")
+    assert resolve_moe_kernel(TINY).moe_impl == "grouped" and resolve_moe_kernel(TINY).moe_kernel == "pallas_triton"
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul=xla")
+    with dispatch.target("gpu", H100):
+        assert moe_path(TINY) == "sorted"
+
+
+def test_auto_moe_layer_runs_the_path_it_resolves_to(monkeypatch):
+    """The layer itself resolves "auto" while tracing: on CPU it runs the sorted path (equal to it bit for bit), with
+    the override naming a grouped kernel it runs the registry's grouped GEMM."""
+    import c2jax.kernels.grouped_gemm as grouped_gemm
+    from c2jax.kernels import dispatch
+
+    graphdef, state = make(TINY)
+    x = inputs(TINY)
+    auto = nnx.merge(graphdef, state)(x)[0]
+    sorted_ = nnx.merge(with_config(TINY.replace(moe_impl="sorted")), state)(x)[0]
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(sorted_))
+    calls = []
+    real = grouped_gemm.grouped_matmul
+    monkeypatch.setattr(grouped_gemm, "grouped_matmul", lambda *a, **k: calls.append(k.get("impl")) or real(*a, **k))
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul=xla")
+    nnx.merge(graphdef, state)(x)
+    assert not calls  # the XLA fallback named: still the sorted path
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "grouped_matmul=pallas_triton")
+    grouped = nnx.merge(graphdef, state)(x)[0]
+    assert calls and set(calls) == {None}  # the override decides (impl=None: the registry's choice)
+    assert rel_err(grouped, sorted_) < 1e-5

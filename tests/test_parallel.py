@@ -86,8 +86,62 @@ def test_qwen3_moe_forward_and_gradients_match_single_device(gqa_reference, size
     _check_sharded_against_reference(gqa_reference, sizes)
 
 
-def _check_sharded_against_reference(reference, sizes):
-    cfg, graphdef, state, (ids, seg), ref_out, ref_grads = reference
+@pytest.mark.parametrize("sizes", [dict(fsdp=2, expert=4), dict(data=8)],
+                         ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
+def test_grouped_path_runs_expert_parallel_and_matches_single_device(reference, sizes):
+    """moe_impl="grouped" (what "auto" picks on a GPU) under a mesh: each rank runs its own experts' grouped GEMMs
+    through the kernel registry inside the shard_map (the other ranks' assignments sorted past its groups), and the
+    token-local form runs them on its own tokens; both equal the single-device sorted reference."""
+    import c2jax.kernels.grouped_gemm as grouped_gemm
+
+    cfg = dataclasses.replace(reference[0], moe_impl="grouped", moe_kernel="xla")
+    graphdef, _ = nnx.split(init(cfg, seed=0))
+    calls = []
+    real = grouped_gemm.grouped_matmul
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("impl"))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grouped_gemm, "grouped_matmul", counted)
+        _check_sharded_against_reference(reference, sizes, graphdef)
+    assert calls and set(calls) == {"xla"}  # the registry's grouped GEMM ran, the kernel the config names
+
+
+def test_ragged_all_to_all_runs_the_grouped_kernels_and_refuses_sorted_quantized(reference):
+    """Under moe_ep_impl="ragged_a2a" the received rows run the registry's grouped GEMM on the grouped path (lowered
+    here: XLA:CPU cannot compile ragged-all-to-all); a quantized recipe on the sorted path is refused, not run in
+    bf16."""
+    import c2jax.kernels.grouped_gemm as grouped_gemm
+
+    cfg, _, _, (ids, _), *_ = reference
+    mesh_cfg = MeshConfig(fsdp=2, expert=4)
+    mesh = make_mesh(mesh_cfg)
+
+    def lowered(cfg):
+        graphdef, state = nnx.split(init(cfg, seed=0))
+
+        def loss(state, ids):
+            with logical_rules(mesh, activation_rules(mesh_cfg)):
+                return jnp.mean(forward(graphdef, state, ids).logits ** 2)
+
+        return jax.jit(jax.grad(loss)).lower(shard_state(state, mesh), ids).as_text()
+
+    calls = []
+    real = grouped_gemm.grouped_matmul
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grouped_gemm, "grouped_matmul", lambda *a, **k: calls.append(k.get("impl")) or real(*a, **k))
+        text = lowered(dataclasses.replace(cfg, moe_ep_impl="ragged_a2a", moe_impl="grouped", moe_kernel="xla"))
+    assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
+    assert calls and set(calls) == {"xla"}
+    with pytest.raises(ValueError, match="moe_quant='mxfp8' needs moe_impl='grouped'"):
+        lowered(dataclasses.replace(cfg, moe_ep_impl="ragged_a2a", moe_impl="sorted", moe_quant="mxfp8"))
+
+
+def _check_sharded_against_reference(reference, sizes, graphdef=None):
+    cfg, ref_graphdef, state, (ids, seg), ref_out, ref_grads = reference
+    graphdef = ref_graphdef if graphdef is None else graphdef
     mesh_cfg = MeshConfig(**sizes)
     mesh = make_mesh(mesh_cfg)
     sharded = shard_state(state, mesh)
