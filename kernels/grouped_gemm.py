@@ -24,6 +24,18 @@ E4M3 values, E8M0 scales per 32) and multiplies them with FP32 accumulation:
                     (every backend; the CPU default)
     jax_triton      `tl.dot_scaled` (Blackwell's native block-scaled MMA), needs jax-triton; never auto-chosen
 
+The NVFP4 form, op `grouped_matmul_nvfp4` (NVFP4_OP), takes operands quantized along K with per-token scaling
+(kernels/nvfp4.py: E2M1 values, E4M3 scales per 16, one FP32 scale per lhs row and per rhs column; Composer 2's
+forward):
+
+    grouped_matmul_nvfp4(lhs: NVFP4Tensor [M, K], rhs: NVFP4Tensor [G, K, N], group_sizes [G], impl=None,
+                         out_dtype=bf16)
+
+    pallas_triton   kernels/pallas_grouped.py's NVFP4 kernel (any NVIDIA GPU; CPU with interpret=True): codes and
+                    block scales dequantized in the kernel, bf16 dots with FP32 accumulation, the FP32 row and
+                    column scales on the accumulator; needs K % 16 == 0 (refuses otherwise)
+    xla             the reference: dequantize both operands to FP32, then the capacity-padded einsum below
+
 The XLA fallback gathers each group's rows into a [G, C, K] buffer (C = per-group capacity, empty slots
 read an appended zero row), runs one batched einsum and gathers the rows back. C is static, so it is
 picked at run time from a few buckets (`capacity_factors` x the balanced load, then M, which always
@@ -40,10 +52,16 @@ import jax.numpy as jnp
 
 from c2jax.kernels import dispatch
 from c2jax.kernels.mxfp8 import MX_BLOCK, MXTensor, dequantize_mx
-from c2jax.kernels.pallas_grouped import grouped_matmul_mx_pallas, grouped_matmul_pallas
+from c2jax.kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, dequantize_nvfp4
+from c2jax.kernels.pallas_grouped import (
+    grouped_matmul_mx_pallas,
+    grouped_matmul_nvfp4_pallas,
+    grouped_matmul_pallas,
+)
 
 OP = "grouped_matmul"
 MX_OP = "grouped_matmul_mx"
+NVFP4_OP = "grouped_matmul_nvfp4"
 
 
 def _check(lhs, rhs, group_sizes):
@@ -206,3 +224,49 @@ def grouped_matmul_mx(lhs: MXTensor, rhs: MXTensor, group_sizes: jnp.ndarray, *,
     quantized along K."""
     _check(lhs.values, rhs.values, group_sizes)
     return dispatch.call(MX_OP, lhs, rhs, group_sizes, impl=impl, out_dtype=jnp.dtype(out_dtype))
+
+
+# ------------------------------------------------------------------------------------------ block-scaled NVFP4
+
+
+def _check_nvfp4(lhs: NVFP4Tensor, rhs: NVFP4Tensor):
+    if lhs.tensor_scale.shape != (lhs.values.shape[0], 1) or rhs.tensor_scale.shape != (
+            rhs.values.shape[0], 1, rhs.values.shape[2]):
+        raise ValueError(f"grouped_matmul_nvfp4 takes per-token scaling along K (one FP32 scale per lhs row and per "
+                         f"rhs column), got tensor scales {lhs.tensor_scale.shape}, {rhs.tensor_scale.shape} for "
+                         f"values {lhs.values.shape}, {rhs.values.shape}")
+
+
+def grouped_matmul_nvfp4_xla(lhs: NVFP4Tensor, rhs: NVFP4Tensor, group_sizes, out_dtype=jnp.bfloat16):
+    """Reference: both operands dequantized to FP32 ((q d_b) s, the sorted path's fake quantization bit for bit)
+    through the capacity-padded einsum with FP32 accumulation at HIGHEST precision (dequantized NVFP4 values carry
+    the FP32 scale's full mantissa, so a GPU's default TF32 would round them)."""
+    _check_nvfp4(lhs, rhs)
+    with jax.default_matmul_precision("highest"):
+        out = grouped_matmul_xla(dequantize_nvfp4(lhs, axis=1), dequantize_nvfp4(rhs, axis=1), group_sizes,
+                                 preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _nvfp4_pallas(lhs: NVFP4Tensor, rhs: NVFP4Tensor, group_sizes, out_dtype=jnp.bfloat16, interpret=False):
+    _check_nvfp4(lhs, rhs)
+    if lhs.values.shape[1] % NVFP4_BLOCK:
+        raise NotImplementedError(f"the NVFP4 kernel needs K a multiple of {NVFP4_BLOCK}, got {lhs.values.shape[1]}")
+    return grouped_matmul_nvfp4_pallas(lhs.values, lhs.block_scales, lhs.tensor_scale, rhs.values, rhs.block_scales,
+                                       rhs.tensor_scale, group_sizes, interpret=interpret, out_dtype=out_dtype)
+
+
+dispatch.register(NVFP4_OP, dispatch.Implementation(
+    "pallas_triton", _nvfp4_pallas, ("gpu",), interpretable=True,
+    description="Pallas Triton NVFP4 grouped GEMM (E2M1 x E4M3 per 16 dequantized in registers, bf16 dots, FP32 "
+                "accumulation, FP32 row / column scales; kernels/pallas_grouped.py)"))
+dispatch.register(NVFP4_OP, dispatch.Implementation(
+    "xla", grouped_matmul_nvfp4_xla, ("cpu", "gpu", "tpu"), description="dequantize + capacity-padded FP32 einsum"))
+
+
+def grouped_matmul_nvfp4(lhs: NVFP4Tensor, rhs: NVFP4Tensor, group_sizes: jnp.ndarray, *, impl: str | None = None,
+                         out_dtype=jnp.bfloat16) -> jnp.ndarray:
+    """Block-scaled NVFP4 grouped GEMM through the registry (module docstring): lhs [M, K] and rhs [G, K, N], both
+    quantized along K with per-token scaling."""
+    _check(lhs.values, rhs.values, group_sizes)
+    return dispatch.call(NVFP4_OP, lhs, rhs, group_sizes, impl=impl, out_dtype=jnp.dtype(out_dtype))

@@ -354,9 +354,10 @@ def test_grouped_wgrad_quantizes_the_blocks_of_the_capacity_buffers_bit_for_bit(
 def test_grouped_qlinear_refuses_recipes_that_need_masks():
     from c2jax.kernels.grouped_qlinear import GroupedQuant, group_aligned
 
-    for recipe in ("mxfp8_floor", "nvfp4_per_token_fwd+mxfp8_bwd", "fp8_deepseek"):
+    for recipe in ("mxfp8_floor", "nvfp4_per_tensor_fwd+mxfp8_bwd", "fp8_deepseek"):
         with pytest.raises(ValueError, match="RCEIL"):
             GroupedQuant(qlinear.get_recipe(recipe))
+    GroupedQuant(qlinear.get_recipe("nvfp4_per_token_fwd+mxfp8_bwd"))  # Composer 2's: masks recomputed in the bwd
     a, sizes = group_aligned(jnp.arange(1.0, 6.0)[:, None], jnp.asarray([2, 0, 3]), block=4)
     assert a.shape == (4 * 4, 1) and sizes.tolist() == [4, 0, 4]  # 5 + 3 x 3 rows, rounded up to 4
     assert a[:, 0].tolist() == [1, 2, 0, 0, 3, 4, 5] + [0] * 9
