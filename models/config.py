@@ -19,8 +19,9 @@ MOE_QUANT_RECIPES = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd", "nvfp4_pe
                      "mxfp8_floor", "fp8_deepseek")
 MOE_QUANT_DIVISIONS = ("ieee", "approx")
 # the recipes moe_impl="grouped" runs (c2jax.kernels.grouped_qlinear: the fused permute + MXFP8 quantize and the
-# block-scaled grouped GEMM); the others need straight-through masks or formats it does not have: moe_impl="sorted"
-MOE_QUANT_GROUPED = ("bf16", "mxfp8")
+# block-scaled grouped GEMM; Composer 2's NVFP4 per-token forward, its straight-through masks recomputed in the
+# MXFP8 backward); the others (FLOOR MXFP8, per-tensor NVFP4, DeepSeek FP8) run on moe_impl="sorted"
+MOE_QUANT_GROUPED = ("bf16", "mxfp8", "nvfp4_per_token_fwd+mxfp8_bwd")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn_out", "save_attn_kernel")
 SCORING_FUNCS = ("sigmoid", "softmax")
 # "mla": DeepSeek-V2/V3 multi-head latent attention; "gqa": grouped-query attention (Llama, Qwen3; MHA when
@@ -272,8 +273,8 @@ class ModelConfig:
             raise ConfigError(f"moe_quant={self.moe_quant!r} needs moe_impl='sorted' (or 'grouped' for "
                               f"{MOE_QUANT_GROUPED[1:]}), got {self.moe_impl!r}")
         if self.moe_impl == "grouped" and self.moe_quant not in MOE_QUANT_GROUPED:
-            raise ConfigError(f"moe_impl='grouped' runs moe_quant in {MOE_QUANT_GROUPED} (RCEIL MXFP8 cannot saturate, "
-                              f"so it needs no straight-through masks); moe_quant={self.moe_quant!r} runs on "
+            raise ConfigError(f"moe_impl='grouped' runs moe_quant in {MOE_QUANT_GROUPED} (the recipes its fused "
+                              f"quantizers and block-scaled kernels implement); moe_quant={self.moe_quant!r} runs on "
                               f"moe_impl='sorted'")
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")

@@ -143,7 +143,10 @@ def _auto_path(cfg: ModelConfig, platform: str, kind: str, override: str | None)
 def grouped_quant(cfg: ModelConfig) -> grouped_qlinear.GroupedQuant:
     """The quantized grouped path's kernels for `cfg`: `moe_kernel` names the block-scaled grouped GEMM
     (grouped_matmul_mx), and the fused permute + quantize runs the implementation of the same name where the
-    permute_quantize_mx op has one (pallas_triton, xla), else the registry's choice for the device."""
+    permute_quantize_mx op has one (pallas_triton, xla), else the registry's choice for the device. Under
+    moe_quant="nvfp4_per_token_fwd+mxfp8_bwd" `moe_kernel` names the forward's NVFP4 grouped GEMM
+    (grouped_matmul_nvfp4) and the backward's MXFP8 one (grouped_matmul_mx); its forward quantizes the tokens per
+    token and gathers the codes (no permute kernel), the backward quantizes unpermuted operands."""
     from c2jax.kernels.permute import OP as PERMUTE_OP
 
     recipe = qlinear.get_recipe(cfg.moe_quant, cfg.moe_quant_division)
@@ -153,10 +156,13 @@ def grouped_quant(cfg: ModelConfig) -> grouped_qlinear.GroupedQuant:
 
 
 def _grouped_op(cfg: ModelConfig) -> str:
-    """The registry op that `moe_kernel` names an implementation of: the bf16 or the block-scaled grouped GEMM."""
-    from c2jax.kernels.grouped_gemm import MX_OP, OP
+    """The registry op that `moe_kernel` names an implementation of: the bf16 or the block-scaled grouped GEMM (the
+    forward's: NVFP4 under an NVFP4 forward, whose backward's MXFP8 GEMM runs the implementation of the same name)."""
+    from c2jax.kernels.grouped_gemm import MX_OP, NVFP4_OP, OP
 
-    return OP if cfg.moe_quant == "bf16" else MX_OP
+    if cfg.moe_quant == "bf16":
+        return OP
+    return NVFP4_OP if grouped_qlinear.nvfp4_forward(qlinear.get_recipe(cfg.moe_quant)) else MX_OP
 
 
 def resolve_moe_kernel(cfg: ModelConfig, num_tokens: int = 128) -> ModelConfig:
@@ -177,12 +183,20 @@ def resolve_moe_kernel(cfg: ModelConfig, num_tokens: int = 128) -> ModelConfig:
     if cfg.moe_impl != "grouped":
         return cfg
     rows, d, f = num_tokens * cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    op, nvfp4 = _grouped_op(cfg), cfg.moe_quant != "bf16" and grouped_qlinear.nvfp4_forward(
+        qlinear.get_recipe(cfg.moe_quant))
     gemm = _grouped_gemm_call if cfg.moe_quant == "bf16" else _mx_gemm_call
     # gate_up and down forward, then dlhs = dout @ rhs^T of each
-    calls = [gemm(cfg, rows, k, n) for k, n in ((d, 2 * f), (f, d), (2 * f, d), (d, f))]
+    fwd, dlhs = ((d, 2 * f), (f, d)), ((2 * f, d), (d, f))
     try:
-        name = dispatch.choose(_grouped_op(cfg), *calls, impl=cfg.moe_kernel)
-        if cfg.moe_quant != "bf16":
+        if nvfp4:  # the forward's NVFP4 GEMMs choose the name; the backward's MXFP8 GEMMs must take it too
+            from c2jax.kernels.grouped_gemm import MX_OP
+
+            name = dispatch.choose(op, *[_nvfp4_gemm_call(cfg, rows, k, n) for k, n in fwd], impl=cfg.moe_kernel)
+            dispatch.choose(MX_OP, *[_mx_gemm_call(cfg, rows, k, n) for k, n in dlhs], impl=name)
+        else:
+            name = dispatch.choose(op, *[gemm(cfg, rows, k, n) for k, n in fwd + dlhs], impl=cfg.moe_kernel)
+        if cfg.moe_quant != "bf16" and not nvfp4:
             _check_permute(cfg.replace(moe_kernel=name), num_tokens, rows)
     except (ValueError, NotImplementedError, RuntimeError) as e:  # RuntimeError: jax_triton without jax-triton
         raise ConfigError(f"moe_impl='grouped' cannot run here (moe_kernel={cfg.moe_kernel!r}, "
@@ -205,6 +219,20 @@ def _mx_gemm_call(cfg: ModelConfig, rows: int, k: int, n: int):
     experts, blocks, e4m3, e8m0 = cfg.n_routed_experts, -(-k // MX_BLOCK), jnp.float8_e4m3fn, jnp.float8_e8m0fnu
     lhs = MXTensor(jax.ShapeDtypeStruct((rows, k), e4m3), jax.ShapeDtypeStruct((rows, blocks), e8m0))
     rhs = MXTensor(jax.ShapeDtypeStruct((experts, k, n), e4m3), jax.ShapeDtypeStruct((experts, blocks, n), e8m0))
+    return (lhs, rhs, jax.ShapeDtypeStruct((experts,), jnp.int32)), {"out_dtype": jnp.dtype(cfg.dtype)}
+
+
+def _nvfp4_gemm_call(cfg: ModelConfig, rows: int, k: int, n: int):
+    """Abstract (args, kwargs) of one NVFP4 grouped GEMM: E2M1 values, E4M3 scales per 16 along k, one FP32 scale
+    per row (token) and per column (output channel)."""
+    from c2jax.kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
+
+    experts, blocks, f4, e4m3, f32 = (cfg.n_routed_experts, -(-k // NVFP4_BLOCK), jnp.float4_e2m1fn,
+                                      jnp.float8_e4m3fn, jnp.float32)
+    lhs = NVFP4Tensor(jax.ShapeDtypeStruct((rows, k), f4), jax.ShapeDtypeStruct((rows, blocks), e4m3),
+                      jax.ShapeDtypeStruct((rows, 1), f32))
+    rhs = NVFP4Tensor(jax.ShapeDtypeStruct((experts, k, n), f4), jax.ShapeDtypeStruct((experts, blocks, n), e4m3),
+                      jax.ShapeDtypeStruct((experts, 1, n), f32))
     return (lhs, rhs, jax.ShapeDtypeStruct((experts,), jnp.int32)), {"out_dtype": jnp.dtype(cfg.dtype)}
 
 
