@@ -13,11 +13,11 @@ from the high-precision tensors:
                                                       `src`, each token's rows summed back (scatter-add)
     wgrad  dw = Q(rows, along M)^T . Q(dy, along M)   per group, blocks of 32 rows starting at the group's first row
                                                       (zero-padded at its end), so no block spans two experts: the
-                                                      blocks the sorted path's [E, C, .] buffers have. No grouped
-                                                      kernel contracts over ragged rows, so wgrad runs on the
-                                                      reference path: dequantized FP32 operands through
-                                                      lax.ragged_dot_general (ragged contraction), as the bf16
-                                                      grouped path's drhs does (XLA lowers it to a masked dense dot)
+                                                      blocks the sorted path's [E, C, .] buffers have. The product
+                                                      of the dequantized FP32 operands runs the registry's grouped
+                                                      weight gradient (kernels/grouped_wgrad.py, as the bf16 grouped
+                                                      path's drhs: Pallas Triton on GPUs, the capacity einsum on
+                                                      CPU), not the ragged contraction XLA lowers to a G x dense dot
 
 So the quantization is bit for bit the sorted path's (`qlinear.fprop/dgrad/wgrad` on capacity buffers): the same
 blocks, scales and codes; what differs is the order of the FP32 sums.
@@ -53,13 +53,12 @@ import jax
 import jax.numpy as jnp
 
 from c2jax.kernels.grouped_gemm import grouped_matmul_mx, grouped_matmul_nvfp4
+from c2jax.kernels.grouped_wgrad import grouped_wgrad
+from c2jax.kernels.grouped_wgrad import implementation_for as wgrad_implementation_for
 from c2jax.kernels.mxfp8 import MX_BLOCK, fake_quantize_mx, quantize_mx
 from c2jax.kernels.nvfp4 import NVFP4Tensor, fake_quantize_nvfp4, quantize_nvfp4
 from c2jax.kernels.permute import permute_quantize_mx
 from c2jax.kernels.qlinear import QuantSpec, Recipe, apply_mask, get_recipe
-
-_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(  # [M, K] x [M, N] -> [G, K, N], M ragged (contracted per group)
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def _wgrad(q: GroupedQuant, rows, dy, group_sizes):
     dy_a, _ = group_aligned(dy, group_sizes)
     rows_q, _ = fake_quantize_mx(rows_a, 0, **opts)
     dy_q, _ = fake_quantize_mx(dy_a, 0, **opts)
-    return jax.lax.ragged_dot_general(rows_q, dy_q, sizes, _WGRAD_DIMS, preferred_element_type=jnp.float32)
+    return grouped_wgrad(rows_q, dy_q, sizes, impl=wgrad_implementation_for(q.gemm), preferred_element_type=jnp.float32)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -120,8 +120,8 @@ def moe_path(cfg: ModelConfig) -> str:
     this process's, or the lowering target's): the named one, or for "auto" "grouped" where the kernel registry's
     grouped GEMM for cfg has a device kernel (the first implementation it picks for the model's GEMMs is not the XLA
     fallback: Mosaic GPU / Pallas Triton on GPUs, or one $C2JAX_KERNEL_IMPL names; or cfg.moe_kernel names one)
-    and cfg.moe_quant runs on the grouped path; "sorted" otherwise (CPU, TPU, the recipes that need
-    straight-through masks), whose capacity einsum beats the XLA grouped fallback there."""
+    and cfg.moe_quant runs on the grouped path (MOE_QUANT_GROUPED); "sorted" otherwise (CPU, TPU, FLOOR MXFP8,
+    per-tensor NVFP4, DeepSeek FP8), whose capacity einsum beats the XLA grouped fallback there."""
     if cfg.moe_impl != "auto":
         return cfg.moe_impl
     return _auto_path(cfg, *dispatch.current_device(), dispatch.env_override(_grouped_op(cfg)))
@@ -272,7 +272,8 @@ def resolve_loaded_moe_kernel(cfg: ModelConfig, source: str) -> ModelConfig:
 def _registry_grouped_matmul(impl, lhs, rhs, group_sizes):
     """lhs [M, K] (rows sorted by group) @ rhs [G, K, N] per group, by the kernel registry's grouped GEMM. The
     kernels are forward-only; the backward runs the same registry for dlhs = dout @ rhs^T (a grouped GEMM over
-    the same groups) and lax.ragged_dot's transpose for drhs (per group lhs^T dout)."""
+    the same groups) and the registry's grouped weight gradient for drhs (per group lhs^T dout,
+    kernels/grouped_wgrad.py: the implementation of the same name where it has one, else the device's choice)."""
     from c2jax.kernels.grouped_gemm import grouped_matmul
 
     return grouped_matmul(lhs, rhs, group_sizes, impl=impl, preferred_element_type=lhs.dtype)
@@ -284,11 +285,15 @@ def _registry_grouped_fwd(impl, lhs, rhs, group_sizes):
 
 def _registry_grouped_bwd(impl, res, dout):
     from c2jax.kernels.grouped_gemm import grouped_matmul
+    from c2jax.kernels.grouped_wgrad import grouped_wgrad
+    from c2jax.kernels.grouped_wgrad import implementation_for as wgrad_implementation_for
 
     lhs, rhs, group_sizes = res
     dlhs = grouped_matmul(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, impl=impl, preferred_element_type=lhs.dtype)
-    _, rhs_vjp = jax.vjp(lambda w: jax.lax.ragged_dot(lhs, w, group_sizes), rhs)
-    (drhs,) = rhs_vjp(dout.astype(lhs.dtype))
+    # per group lhs^T dout (kernels/grouped_wgrad.py): a kernel or the capacity einsum, never the ragged
+    # contraction XLA lowers to a G x dense masked dot
+    drhs = grouped_wgrad(lhs, dout.astype(lhs.dtype), group_sizes, impl=wgrad_implementation_for(impl),
+                         preferred_element_type=jnp.float32)
     return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
 
 

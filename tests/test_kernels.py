@@ -250,6 +250,41 @@ def test_grouped_matmul_xla_fallback_value_and_grad():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("sizes", [[5, 0, 37, 22], [0, 0, 0, 0], [0, 64, 0, 0], [3, 1, 2, 1]],
+                         ids=["mixed", "all empty", "one group", "tiny groups"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_triton", "ragged_dot"])
+def test_grouped_wgrad_is_each_groups_rows_transposed_times_dout(impl, sizes):
+    """out[g] = lhs[rows of g]^T dout[rows of g] against NumPy in float64, rows past sum(sizes) ignored (7 extra
+    rows of noise), a tile that spans two groups masked, empty groups zero; pallas_triton in Pallas' interpreter."""
+    from c2jax.kernels.grouped_wgrad import grouped_wgrad
+
+    rng = np.random.default_rng(0)
+    m, k, n = sum(sizes) + 7, 48, 80  # K, N not multiples of the kernel's 64-wide tiles
+    lhs, dout = rng.standard_normal((m, k)), rng.standard_normal((m, n))
+    starts = np.cumsum(sizes) - sizes
+    want = np.stack([lhs[s:s + c].T @ dout[s:s + c] for s, c in zip(starts, sizes)])
+    got = grouped_wgrad(jnp.asarray(lhs, jnp.float32), jnp.asarray(dout, jnp.float32), jnp.asarray(sizes, jnp.int32),
+                        impl=impl)
+    assert got.shape == (len(sizes), k, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1.0))
+
+
+def test_grouped_path_weight_gradient_runs_the_registrys_wgrad_not_the_ragged_contraction():
+    """drhs of the bf16 grouped path and wgrad of the quantized one go through kernels/grouped_wgrad (no
+    ragged_dot_general, which XLA:CPU/GPU lower to a G x dense masked dot, is left in the backward's jaxpr)."""
+    from c2jax.kernels import grouped_qlinear
+    from c2jax.models.moe_dispatch import _registry_grouped_matmul
+
+    lhs, rhs, gs = grouped_operands()
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(_registry_grouped_matmul("xla", lhs, w, gs))))(rhs))
+    assert "ragged_dot" not in jaxpr
+    q = grouped_qlinear.GroupedQuant(qlinear.get_recipe("mxfp8"), gemm="xla")
+    x, w = jnp.ones((40, 64)), jnp.ones((4, 64, 32))
+    sizes = jnp.asarray([10, 0, 20, 10], jnp.int32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(grouped_qlinear.grouped_linear(q, x, w, sizes))))(w))
+    assert "ragged_dot" not in jaxpr
+
+
 def test_grouped_matmul_mx_pallas_matches_dequantized_reference():
     lhs, rhs, gs = grouped_operands(k=64, n=32)
     ql, qr = mxfp8.quantize_mx(lhs, axis=1), mxfp8.quantize_mx(rhs, axis=1)

@@ -4,8 +4,10 @@ for what must be in it, so that a lowering error or a silent fallback is found h
 minutes a device is lent.
 
 Programs (PROGRAMS below): the `medium` training step with the MXFP8 MoE recipe, the RL learner step with router
-replay, the sampler's prefill and decode steps, each Pallas kernel (grouped GEMM on Triton, its MXFP8 block-scaled
-form, the Mosaic GPU sm90 grouped GEMM, the fused permute + quantize), the cuDNN attention call through the
+replay, the sampler's prefill and decode steps, each Pallas kernel (grouped GEMM on Triton, its MXFP8 and NVFP4
+block-scaled forms, the grouped weight gradient, the Mosaic GPU sm90 grouped GEMM, the fused permute + quantize), the
+training and RL steps with moe_impl "grouped" / "auto" as on an H100, H200 or B200 (each kernel found by name in
+the backward too), the cuDNN attention call through the
 attention registry (MLA's head dims and GQA's grouped K/V), and context-parallel attention and the expert-parallel
 training step on an 8-device mesh. Each has the markers its lowered text must contain: a kernel's custom call
 (`__gpu$xla.gpu.triton`, `mosaic_gpu_v2`, `__cudnn$fmha...`) or the collectives of its shard_map.
@@ -35,6 +37,8 @@ CUDNN_VERSION = 90800  # cuDNN 9.8, as in the CUDA 12 JAX wheels' requirement
 COMPUTE_CAPABILITY = "9.0"  # Hopper (H100 / H200)
 # the Pallas kernels' names in their Triton custom calls' backend config: which kernel, not just "some Triton"
 MX_GEMM_MARKER = 'name = "grouped_matmul_mx"'  # kernels/pallas_grouped.py MX_KERNEL_NAME
+NVFP4_GEMM_MARKER = 'name = "grouped_matmul_nvfp4"'  # kernels/pallas_grouped.py NVFP4_KERNEL_NAME
+WGRAD_MARKER = 'name = "grouped_wgrad"'  # kernels/grouped_wgrad.py KERNEL_NAME
 PERMUTE_MARKER = 'name = "permute_quantize_mx"'  # kernels/permute.py
 CUSTOM_CALL = re.compile(r"custom_call @([^\s(]+)")
 COLLECTIVE = re.compile(r"stablehlo\.(all_gather|all_reduce|reduce_scatter|all_to_all|collective_permute)")
@@ -196,6 +200,17 @@ def _grouped_gemm(kind: str, m: int = 4096, k: int = 1024, n: int = 2048, groups
             e4m3, scale = jnp.float8_e4m3fn, jnp.float32
             return jax.jit(fn), (_sds((m, k), e4m3), _sds((m, k // 32), scale), _sds((groups, k, n), e4m3),
                                  _sds((groups, k // 32, n), scale), sizes)
+        if kind == "pallas_triton_nvfp4":
+            fn = functools.partial(pallas_grouped.grouped_matmul_nvfp4_pallas, interpret=False)
+            f4, e4m3, f32 = jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float32
+            return jax.jit(fn), (_sds((m, k), f4), _sds((m, k // 16), e4m3), _sds((m, 1), f32),
+                                 _sds((groups, k, n), f4), _sds((groups, k // 16, n), e4m3), _sds((groups, 1, n), f32),
+                                 sizes)
+        if kind == "pallas_triton_wgrad":  # per group lhs^T dout: [M, K] x [M, N] -> [G, K, N]
+            from c2jax.kernels import grouped_wgrad
+
+            fn = functools.partial(grouped_wgrad.grouped_wgrad_pallas, interpret=False)
+            return jax.jit(fn), (_sds((m, k), jnp.bfloat16), _sds((m, n), jnp.bfloat16), sizes)
         if kind == "mosaic_sm90":
             return jax.jit(grouped_gemm.grouped_matmul_mosaic_sm90), (
                 _sds((m, k), jnp.bfloat16), _sds((groups, k, n), jnp.bfloat16), sizes)
@@ -277,6 +292,10 @@ PROGRAMS: tuple[Program, ...] = (
     Program("kernel/grouped_gemm/pallas_triton", _grouped_gemm("pallas_triton"), ("__gpu$xla.gpu.triton",)),
     Program("kernel/grouped_gemm/pallas_triton_mxfp8", _grouped_gemm("pallas_triton_mxfp8"),
             ("__gpu$xla.gpu.triton",)),
+    Program("kernel/grouped_gemm/pallas_triton_nvfp4", _grouped_gemm("pallas_triton_nvfp4"),
+            ("__gpu$xla.gpu.triton", NVFP4_GEMM_MARKER)),
+    Program("kernel/grouped_wgrad/pallas_triton", _grouped_gemm("pallas_triton_wgrad"),
+            ("__gpu$xla.gpu.triton", WGRAD_MARKER)),
     Program("kernel/grouped_gemm/mosaic_sm90", _grouped_gemm("mosaic_sm90"), ("mosaic_gpu_v2",)),
     Program("kernel/permute_quantize_mx/pallas_triton", _permute_quantize(), ("__gpu$xla.gpu.triton",)),
     Program("attention/cudnn/mla(medium)", _cudnn_attention("medium", 2, 4096), ("__cudnn$fmha",), cudnn=True),
@@ -293,15 +312,20 @@ PROGRAMS: tuple[Program, ...] = (
     # the MoE's grouped GEMMs through the kernel registry, chosen as on each GPU (forward and the dlhs backward)
     Program("train_step/medium/moe grouped (H100: mosaic_sm90)", _train_step("medium", "bf16", 8, 4096,
                                                                          moe_impl="grouped"),
-            ("mosaic_gpu_v2",), device_kind="NVIDIA H100 80GB HBM3"),
+            ("mosaic_gpu_v2", WGRAD_MARKER), device_kind="NVIDIA H100 80GB HBM3"),
     Program("train_step/medium/moe grouped (B200: pallas_triton)", _train_step("medium", "bf16", 8, 4096,
                                                                            moe_impl="grouped"),
-            ("__gpu$xla.gpu.triton",), device_kind="NVIDIA B200"),
+            ("__gpu$xla.gpu.triton", WGRAD_MARKER), device_kind="NVIDIA B200"),
     # the MXFP8 recipe on the grouped path (kernels/grouped_qlinear.py): the fused permute + quantize and the
     # block-scaled grouped GEMM (forward and dgrad), each found by its Pallas kernel's name in the Triton call
     Program("train_step/medium/moe grouped mxfp8 (H100: pallas_triton)", _train_step("medium", "mxfp8", 8, 4096,
                                                                                  moe_impl="grouped"),
-            ("__gpu$xla.gpu.triton", MX_GEMM_MARKER, PERMUTE_MARKER), device_kind="NVIDIA H100 80GB HBM3"),
+            ("__gpu$xla.gpu.triton", MX_GEMM_MARKER, PERMUTE_MARKER, WGRAD_MARKER),
+            device_kind="NVIDIA H100 80GB HBM3"),
+    # Composer 2's recipe on the grouped path: the NVFP4 forward GEMM, the MXFP8 dgrad GEMM, the wgrad kernel
+    Program("train_step/medium/moe grouped nvfp4 per-token (B200: pallas_triton)",
+            _train_step("medium", "nvfp4_per_token_fwd+mxfp8_bwd", 8, 4096, moe_impl="grouped"),
+            ("__gpu$xla.gpu.triton", NVFP4_GEMM_MARKER, MX_GEMM_MARKER, WGRAD_MARKER), device_kind="NVIDIA B200"),
     Program("sampler/prefill/medium/moe grouped (H200)", _sampler_step("medium", 16, 2048, 4096, decode=False,
                                                                        moe_impl="grouped"),
             ("mosaic_gpu_v2",), device_kind="NVIDIA H200"),
