@@ -321,7 +321,8 @@ H100, B200 = "NVIDIA H100 80GB HBM3", "NVIDIA B200"
     (("gpu", H100), "bf16", "grouped", "mosaic_sm90"),
     (("gpu", H100), "mxfp8", "grouped", "pallas_triton"),
     (("gpu", B200), "bf16", "grouped", "pallas_triton"),
-    (("gpu", H100), "mxfp8_floor", "sorted", None),  # saturating recipe: straight-through masks, sorted path
+    (("gpu", H100), "nvfp4_per_token_fwd+mxfp8_bwd", "grouped", "pallas_triton"),  # Composer 2's recipe
+    (("gpu", H100), "mxfp8_floor", "sorted", None),  # not a grouped recipe (MOE_QUANT_GROUPED): the sorted path
     (("tpu", "TPU v5p"), "bf16", "sorted", None),
 ])
 def test_auto_moe_impl_runs_the_grouped_kernels_where_the_device_has_them(device, quant, path, kernel):
