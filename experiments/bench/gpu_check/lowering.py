@@ -330,16 +330,19 @@ PROGRAMS: tuple[Program, ...] = (
                                                                        moe_impl="grouped"),
             ("mosaic_gpu_v2",), device_kind="NVIDIA H200"),
     # moe_impl="auto" (the default) as on an H100: the grouped path, the Mosaic GPU kernel in each expert-parallel
-    # rank's shard_map (models/expert_parallel.py) and in the RL learner's step
+    # rank's shard_map (models/expert_parallel.py) and in the RL learner's step (router replay; the sorted form of
+    # the RL step is the one a CPU lowers, `moe_impl="sorted"` on a GPU: the same step minus the kernel)
     Program("train_step/medium/auto fsdp2 x expert4 (H100: grouped mosaic_sm90)",
             _train_step("medium", "bf16", 8, 4096, dict(fsdp=2, expert=4)),
             ("mosaic_gpu_v2", "stablehlo.all_gather", "stablehlo.reduce_scatter"), devices=8,
             device_kind="NVIDIA H100 80GB HBM3"),
     Program("rl_step/medium/router_replay auto (H100: grouped mosaic_sm90)", _rl_step("medium", 4, 4096),
             ("mosaic_gpu_v2",), device_kind="NVIDIA H100 80GB HBM3"),
-    Program("rl_step/medium/router_replay", _rl_step("medium", 4, 4096)),
     Program("sampler/prefill/medium", _sampler_step("medium", 16, 2048, 4096, decode=False)),
     Program("sampler/decode/medium", _sampler_step("medium", 16, 1, 4096, decode=True)),
+    # the default moe_impl="auto" at decode sizes (16 slots x top-4 = 64 expert rows) as on an H100
+    Program("sampler/decode/medium auto (H100: grouped mosaic_sm90)", _sampler_step("medium", 16, 1, 4096, decode=True),
+            ("mosaic_gpu_v2",), device_kind="NVIDIA H100 80GB HBM3"),
 )
 
 
