@@ -103,27 +103,69 @@ def test_the_model_is_measured_with_each_moe_kernel(dry_run):
     sections = {s["name"]: s for s in report["sections"]}
     train = sections["train_medium"]["results"]
     kernels = train["kernels"]
-    assert set(kernels) == {f"grouped {i.name}" for i in dispatch.implementations(OP)} | {"sorted mxfp8", "ragged"}
+    assert set(kernels) == {f"grouped {i.name}" for i in dispatch.implementations(OP)} | {
+        "sorted mxfp8", "grouped mxfp8", "ragged"}
     assert train["registry_default"] == "xla"
+    assert train["S64"]["moe_impl"] == "sorted"
     for label, impl, ran in (("grouped xla", "grouped", "xla"), ("grouped ragged_dot", "grouped", "ragged_dot"),
-                             ("ragged", "ragged", None), ("sorted mxfp8", "sorted", None)):
+                             ("ragged", "ragged", None), ("sorted mxfp8", "sorted", None),
+                             ("grouped mxfp8", "grouped", "xla")):  # the block-scaled GEMM's xla reference here
         row = kernels[label]
         assert row["moe_impl"] == impl and row["tokens_per_s"] > 0 and row["mfu_pct"] > 0, (label, row)
         assert row["moe_kernel_ran"] == ran if ran else row["moe_kernel_ran"].startswith("none"), (label, row)
-    assert kernels["sorted mxfp8"]["moe_quant"] == "mxfp8"
+    assert kernels["sorted mxfp8"]["moe_quant"] == "mxfp8" and kernels["grouped mxfp8"]["moe_quant"] == "mxfp8"
     for impl in ("pallas_triton", "mosaic_sm90", "jax_triton"):
         assert kernels[f"grouped {impl}"].startswith("skipped: needs GPU"), kernels[f"grouped {impl}"]
-    assert list(train["by_kernel"])[:4] == ["sorted", "grouped xla", "sorted mxfp8", "ragged"]  # in order of value
+    assert list(train["by_kernel"])[:5] == ["sorted", "grouped xla", "sorted mxfp8", "grouped mxfp8",
+                                            "ragged"]  # in order of value
     assert set(train["by_kernel"]) == {"sorted", *kernels}
     assert "kernel ran: xla" in train["by_kernel"]["grouped xla"]
+    assert "kernel ran: xla" in train["by_kernel"]["grouped mxfp8"]
     md = (out / runner.MD_NAME).read_text()
     assert "| by_kernel.grouped mosaic_sm90 | skipped: needs GPU" in md
+    end_to_end = [t for t in report["targets"] if t["name"].startswith("tiny training step, grouped mxfp8 / sorted "
+                                                                       "bf16 tokens/s")]
+    assert len(end_to_end) == 1 and "(target >= 1.5x)" in end_to_end[0]["value"], end_to_end
 
     moe = sections["moe_mxfp8"]["results"]
-    assert moe["bf16"]["moe_quant"] == "bf16" and moe["mxfp8"]["moe_quant"] == "mxfp8"
-    assert moe["grouped bf16"]["moe_kernel_ran"] == "xla" and moe["speedup"]["mxfp8_over_bf16_same_path"] > 0
+    assert list(moe)[1:5] == ["bf16", "mxfp8", "grouped bf16", "grouped mxfp8"]  # after setup, in row order
+    for label, impl, quant in (("bf16", "sorted", "bf16"), ("mxfp8", "sorted", "mxfp8"),
+                               ("grouped bf16", "grouped", "bf16"), ("grouped mxfp8", "grouped", "mxfp8")):
+        assert (moe[label]["moe_impl"], moe[label]["moe_quant"]) == (impl, quant), (label, moe[label])
+    assert moe["grouped bf16"]["moe_kernel_ran"] == "xla" and moe["grouped mxfp8"]["moe_kernel_ran"] == "xla"
+    assert moe["speedup"]["mxfp8_over_bf16_same_path"] > 0 and moe["speedup"]["grouped_mxfp8_over_grouped_bf16"] > 0
     claim = [t for t in report["targets"] if t["name"].startswith("MoE layer fwd+bwd speed-up, MXFP8 over bf16")]
     assert len(claim) == 1 and "(target >= 3.5x)" in claim[0]["value"] and "3.5x faster MoE layer" in claim[0]["name"]
+    grouped = [t for t in report["targets"] if t["name"].startswith("MoE layer fwd+bwd speed-up, grouped MXFP8")]
+    assert len(grouped) == 1 and "(target >= 3.5x)" in grouped[0]["value"], grouped
+
+
+def test_every_moe_row_names_its_moe_impl():
+    """No row of train_medium or moe_mxfp8 relies on ModelConfig's default moe_impl (the device's choice, "auto"):
+    each names its path, and a train_medium row that does not is refused before anything runs."""
+    from experiments.bench.gpu_check.sections import moe_mxfp8, train_medium
+
+    class DryContext:
+        dry_run = True
+
+        def size(self, gpu, dry):
+            return dry
+
+        def set(self, key, value):
+            pass
+
+    ctx = DryContext()
+    choices = train_medium.kernel_choices(ctx, train_medium.medium_config(ctx, "tiny", 64))
+    by_label = {c.label: c.moe for c in choices}
+    assert all("moe_impl" in moe for moe in by_label.values()), by_label
+    assert train_medium.SORTED == {"moe_impl": "sorted"}
+    assert by_label["sorted mxfp8"] == {"moe_impl": "sorted", "moe_quant": "mxfp8"}
+    assert by_label["grouped mxfp8"] == {"moe_impl": "grouped", "moe_quant": "mxfp8", "moe_kernel": None}
+    assert [c.label for c in choices][1:4] == ["sorted mxfp8", "grouped mxfp8", "ragged"]
+    assert all("moe_impl" in fields for fields in moe_mxfp8.ROWS.values()), moe_mxfp8.ROWS
+    assert moe_mxfp8.ROWS["grouped mxfp8"] == {"moe_impl": "grouped", "moe_quant": "mxfp8", "moe_kernel": None}
+    with pytest.raises(ValueError, match="does not name its moe_impl"):
+        train_medium.step_rate(ctx, "tiny", 64, 2, 1.0, {"moe_quant": "mxfp8"}, "sorted mxfp8")
 
 
 def test_a_failing_and_an_overrunning_section_stop_nothing(dry_run):

@@ -1,15 +1,21 @@
 """Section `train_medium`: the `medium` preset's training step (fwd + bwd + AdamW + router-bias update) in bf16:
-tokens/s and MFU at S = 4k and 32k on today's default MoE path (moe_impl="sorted"), retried once with full remat
-where no remat runs out of memory; and the same step at S = 4k for each MoE kernel choice on this device.
+tokens/s and MFU at S = 4k and 32k on the sort + capacity-einsum path (moe_impl="sorted"), retried once with full
+remat where no remat runs out of memory; and the same step at S = 4k for each MoE kernel choice on this device.
+
+Every row names its moe_impl (SORTED, `Choice.moe`); none relies on ModelConfig's default, which picks the path
+for the device ("auto"). `step_rate` refuses a row that does not name one.
 
 Kernel rows: `kernels/<label>` (one sub-measurement each) and a one-line summary per row under `by_kernel`:
 
-    sorted               the `S4096` row itself (sort + capacity-bucketed batched einsum: the default)
+    sorted               the `S4096` row itself (moe_impl="sorted": sort + capacity-bucketed batched einsum)
     grouped <kernel>     moe_impl="grouped" with each grouped GEMM the kernel registry accepts on this device
                          (kernels/dispatch.py: every implementation native to this platform and device kind, auto
                          or not: mosaic_sm90 on Hopper, pallas_triton, xla, ragged_dot, jax_triton where it is
                          installed), the registry's own default first
-    sorted mxfp8         moe_quant="mxfp8" on the default path (the recipes run on moe_impl="sorted" only)
+    sorted mxfp8         moe_impl="sorted", moe_quant="mxfp8" (kernels/qlinear.py on capacity buffers)
+    grouped mxfp8        moe_impl="grouped", moe_quant="mxfp8": the MXFP8 recipe on expert-sorted rows
+                         (kernels/grouped_qlinear.py: fused permute + quantize, the registry's block-scaled grouped
+                         GEMM grouped_matmul_mx: pallas_triton on a GPU, the xla reference on the CPU)
     ragged               moe_impl="ragged" (lax.ragged_dot)
 
 Each row records `moe_kernel_ran`: models.moe_dispatch.resolve_moe_kernel of the config the step was built from,
@@ -18,17 +24,21 @@ native here is skipped with the device it needs: on the CPU (dry run) pallas_tri
 (the registry would only interpret the first two, which tests/test_grouped_path.py does; jax_triton has no
 interpreter); one the registry refuses at these shapes is skipped with the refusal.
 
-Budget (GPU deadline 180 s, runner.py): a row's cost is the step's compile (the scanned 12-layer step, with the
-sorted path's capacity-bucket switch in forward and backward), estimated at ~20 s on the H200 (need_s), plus the
-state's init and 1 + 3 steps, each well under a second at 16k tokens. So every kernel runs at S = 4096 x B 4 only
-(its compile does not depend on S; at S 32768 the rows would only add out-of-memory retries), and only the default
-path runs at S 32768. Rows in order of value: S4096 sorted (25 s), the registry's default grouped kernel (20),
-sorted mxfp8 (20), S32768 sorted (25, ~50 with its remat retry), ragged (20), the other grouped kernels (20
-each: on an H200 pallas_triton, xla, ragged_dot, jax_triton when carried): 180-215 s in all, so the last one or
-two rows (the XLA fallback, the ragged_dot oracle) are the ones a slow compile pushes past the deadline; they are
-then recorded as skipped with the seconds left, never dropped. The dry run (CPU, `tiny` with one MoE layer, S 64
-x B 2) takes the same path for the kernels the CPU runs natively: sorted, grouped xla and ragged_dot, sorted
-mxfp8, ragged.
+Targets: MFU at each S, and the report's "1.5x end to end" twice: sorted mxfp8 / sorted tokens/s (only the
+recipe differs) and grouped mxfp8 / sorted tokens/s (the block-scaled kernels against the bf16 default path).
+
+Budget (GPU deadline 180 s, runner.py; the seconds are estimates, not measured on a GPU yet): a row's cost is the
+step's compile (the scanned 12-layer step, with the sorted path's capacity-bucket switch in forward and backward),
+estimated at ~20 s on the H200 (need_s), plus the state's init and 1 + 3 steps, each well under a second at 16k
+tokens. So every kernel runs at S = 4096 x B 4 only (its compile does not depend on S; at S 32768 the rows would
+only add out-of-memory retries), and only the sorted path runs at S 32768. Rows in order of value: S4096 sorted
+(~25 s), the registry's default grouped kernel (~20), sorted mxfp8 (~20), grouped mxfp8 (~20), S32768 sorted (~25,
+~50 with its remat retry), ragged (~20), the other grouped kernels (~20 each: on an H200 pallas_triton, xla,
+ragged_dot, jax_triton when carried): ~200-235 s in all, so the last two or three rows (the other grouped
+kernels, the XLA fallback and the ragged_dot oracle last) are the ones a slow compile pushes past the deadline;
+they are then recorded as skipped with the seconds left, never dropped. The dry run (CPU, `tiny` with one MoE
+layer, S 64 x B 2) takes the same path for the kernels the CPU runs natively: sorted, grouped xla and ragged_dot,
+sorted mxfp8, grouped mxfp8 (the xla MX reference), ragged.
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ from experiments.bench.gpu_check.sections.context import DRY_MODEL, Context, Ski
 
 KERNEL_SEQ, KERNEL_BATCH = 4096, 4  # every kernel row's shape on the GPU (module docstring)
 ROW_NEED_S = 20  # a kernel row's estimated seconds on the H200 (module docstring)
+SORTED = {"moe_impl": "sorted"}  # the S rows' path (named: the config's default moe_impl is the device's choice)
+MXFP8_LABELS = ("sorted mxfp8", "grouped mxfp8")  # the MXFP8 rows, run right after the default grouped kernel
 
 
 @dataclass(frozen=True)
@@ -73,12 +85,13 @@ def run(ctx: Context) -> None:
                       "step": "c2jax.train.step.make_train_step: fwd + bwd + AdamW + router-bias update, no MTP",
                       "kernel_rows": f"S {kseq} x B {kbatch}, one per MoE kernel choice (module docstring)"})
     choices = kernel_choices(ctx, medium_config(ctx, name, kseq))
-    first, rest = choices[:2], choices[2:]  # the registry's default grouped kernel and sorted mxfp8 come first
+    n_first = 1 + len(MXFP8_LABELS)  # the registry's default grouped kernel and the MXFP8 rows come first
+    first, rest = choices[:n_first], choices[n_first:]
     summary: dict[str, str] = {}
     rates: dict[str, float] = {}
 
     for i, (seq, batch) in enumerate(runs):
-        r = ctx.sub(f"S{seq}", with_remat_retry, ctx, name, seq, batch, peak, {}, "", need_s=ctx.size(25, 2))
+        r = ctx.sub(f"S{seq}", with_remat_retry, ctx, name, seq, batch, peak, SORTED, "", need_s=ctx.size(25, 2))
         if isinstance(r, dict):
             ctx.headline(f"S={seq}: {r['tokens_per_s']:,.0f} tok/s, MFU {r['mfu_pct']:.1f}%")
             ctx.target(f"{name} training MFU at S={seq}", r["mfu_pct"], 35.0, "%")
@@ -94,9 +107,12 @@ def run(ctx: Context) -> None:
     if rates:
         best = max(rates, key=rates.get)
         ctx.headline(f"best MoE kernel at S={kseq}: {best}, {rates[best]:,.0f} tok/s")
-    base, fp8 = rates.get("sorted"), rates.get("sorted mxfp8")
+    base, fp8, grouped_fp8 = rates.get("sorted"), rates.get("sorted mxfp8"), rates.get("grouped mxfp8")
     ctx.target(f"{name} training step, MXFP8 MoE / bf16 tokens/s (report: 1.5x end to end on B200, MXFP8 MoE "
                "kernels vs their BF16 setup)", fp8 / base if base and fp8 else None, 1.5, "x")
+    ctx.target(f"{name} training step, grouped mxfp8 / sorted bf16 tokens/s (the block-scaled grouped kernels vs "
+               "the bf16 sort + capacity-einsum path; report: 1.5x end to end on B200)",
+               grouped_fp8 / base if base and grouped_fp8 else None, 1.5, "x")
 
 
 def medium_config(ctx: Context, name: str, seq: int, remat: str = "none", **moe) -> ModelConfig:
@@ -107,7 +123,8 @@ def medium_config(ctx: Context, name: str, seq: int, remat: str = "none", **moe)
 
 def kernel_choices(ctx: Context, cfg: ModelConfig) -> list[Choice]:
     """The kernel rows in the order they run (module docstring): the registry's default grouped kernel, sorted
-    mxfp8, ragged, then every other grouped GEMM implementation, available here or with the reason it is not."""
+    mxfp8, grouped mxfp8, ragged, then every other grouped GEMM implementation, available here or with the reason
+    it is not. Every choice names its moe_impl."""
     platform, kind = dispatch.current_device()
     try:
         default = resolve_moe_kernel(cfg.replace(moe_impl="grouped", moe_kernel=None)).moe_kernel
@@ -121,8 +138,10 @@ def kernel_choices(ctx: Context, cfg: ModelConfig) -> list[Choice]:
         grouped.append(Choice(f"grouped {impl.name}", {"moe_impl": "grouped", "moe_kernel": impl.name},
                               unavailable(impl, platform, kind)))
     grouped.sort(key=lambda c: c.moe["moe_kernel"] != default)  # stable: the default first, then registry order
-    return [grouped[0], Choice("sorted mxfp8", {"moe_quant": "mxfp8"}), Choice("ragged", {"moe_impl": "ragged"}),
-            *grouped[1:]]
+    mxfp8 = [Choice("sorted mxfp8", {**SORTED, "moe_quant": "mxfp8"}),
+             Choice("grouped mxfp8", {"moe_impl": "grouped", "moe_quant": "mxfp8", "moe_kernel": None})]
+    assert tuple(c.label for c in mxfp8) == MXFP8_LABELS
+    return [grouped[0], *mxfp8, Choice("ragged", {"moe_impl": "ragged"}), *grouped[1:]]
 
 
 def unavailable(impl: dispatch.Implementation, platform: str, kind: str) -> str | None:
@@ -170,7 +189,7 @@ def summarise(ctx: Context, summary: dict, rates: dict, label: str, r, key: str)
 
 def with_remat_retry(ctx: Context, name: str, seq: int, batch: int, peak: float, moe: dict, label: str) -> dict:
     """The step's rate at remat none; where that runs out of memory, once more at remat full. `moe`: the kernel
-    choice's ModelConfig fields, `label` its row (empty: the default path)."""
+    choice's ModelConfig fields, naming moe_impl; `label` its row (empty: an S row on the sorted path)."""
     try:
         return step_rate(ctx, name, seq, batch, peak, moe, label)
     except Exception as e:  # noqa: BLE001 - out of memory at remat none: retry with remat full once
@@ -183,6 +202,8 @@ def with_remat_retry(ctx: Context, name: str, seq: int, batch: int, peak: float,
 
 def step_rate(ctx: Context, name: str, seq: int, batch: int, peak: float, moe: dict, label: str,
               remat: str = "none") -> dict:
+    if "moe_impl" not in moe:  # the config's default path depends on the device: every row names its own
+        raise ValueError(f"row {label or f'S{seq}'!r} does not name its moe_impl: {moe}")
     cfg = medium_config(ctx, name, seq, remat, **moe)
     try:  # the kernel the step runs (moe_impl="grouped"); the config unchanged otherwise
         cfg = resolve_moe_kernel(cfg)
