@@ -488,3 +488,59 @@ def test_cpt_of_a_qwen3_moe_checkpoint_on_an_ep_mesh_resumes_and_exports_to_tran
     ours = hf.from_pretrained(tmp_path / "qwen3" / "hf")
     got = np.asarray(forward(*nnx.split(ours), ids).logits)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
+def test_resuming_a_run_directory_written_on_another_device_re_resolves_its_moe_kernel(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A run's config.yaml names the grouped kernel of the device it ran on (here: mosaic_sm90, as on an H100).
+    `c2jax pretrain --config <run>/config.yaml` on this CPU resumes it on the kernel the registry picks here (xla),
+    saying so in one line; a kernel named by an override, or by the user's own YAML, is kept."""
+    import yaml
+
+    from c2jax import cli
+    from c2jax.config import load
+    from c2jax.kernels import dispatch
+    from c2jax.train import loop
+
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
+    model = CFG.replace(moe_impl="grouped", num_hidden_layers=1, first_k_dense_replace=0,
+                        num_nextn_predict_layers=0)
+    cfg = run_config(tmp_path, "moved", model=dict(model.__dict__), mtp_init_step=0,
+                     phases=[dict(name="main", steps=2, seq_len=16, batch_size=2)],
+                     checkpoint=dict(every=1, keep_last=2))
+    trainer = Trainer(cfg, batches=markov_batches, eval_sources=None, tensorboard=False)
+    trainer.run(stop_after=1)
+    trainer.close()
+    saved = tmp_path / "moved" / "config.yaml"
+    data = yaml.safe_load(saved.read_text())
+    assert data["model"]["moe_kernel"] == "xla"  # what ran here
+    data["model"]["moe_kernel"] = "mosaic_sm90"  # the run directory as an H100 wrote it
+    saved.write_text(yaml.safe_dump(data, sort_keys=False))
+    capsys.readouterr()
+
+    # kept: an override naming the kernel, and the same YAML as the user's own file (not the run's saved config)
+    named = loop.resumed_config(load(PretrainConfig, saved, ["model.moe_kernel=mosaic_sm90"]), str(saved),
+                                ["model.moe_kernel=mosaic_sm90"])
+    assert named.model.moe_kernel == "mosaic_sm90"
+    own = tmp_path / "mine.yaml"
+    own.write_text(saved.read_text())
+    assert loop.resumed_config(load(PretrainConfig, own), str(own)).model.moe_kernel == "mosaic_sm90"
+    assert capsys.readouterr().out == ""
+
+    # the CLI resumes the saved run at step 1 and runs step 2 on xla (the Trainer with this test's batches)
+    made = []
+
+    def trainer_here(cfg):
+        made.append(Trainer(cfg, batches=markov_batches, eval_sources=None, tensorboard=False))
+        return made[-1]
+
+    monkeypatch.setattr(loop, "Trainer", trainer_here)
+    assert cli.main(["pretrain", "--config", str(saved)]) == 0
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if "moe_kernel" in x]
+    assert len(lines) == 1 and "'mosaic_sm90'" in lines[0] and "'xla' instead" in lines[0], out
+    assert str(tmp_path / "moved") in lines[0]
+    assert made[0].cfg.model.moe_kernel == "xla"
+    assert yaml.safe_load(saved.read_text())["model"]["moe_kernel"] == "xla"  # the kernel that ran, recorded
+    assert [r["step"] for r in map(json.loads, (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"] == [1, 2]  # resumed at step 1, not started over

@@ -1,6 +1,7 @@
 """`c2jax pretrain --config experiments/configs/cpt_small.yaml key=value ...`: run (or resume) a
 continued-pretraining run, in one process or, with `distributed.enabled=true`, as one process of a
-multi-process job (c2jax/distributed.py has the launch recipes)."""
+multi-process job (c2jax/distributed.py has the launch recipes). `--config <run>/config.yaml` resumes that run
+on this device's MoE kernel where the saved one is another device's (loop.resumed_config)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ def run(args) -> int:
 
     cfg = load(PretrainConfig, args.config, args.overrides)
     distributed.initialize(cfg.distributed)  # before anything asks JAX for devices; no-op unless enabled
-    from c2jax.train.loop import Trainer
+    from c2jax.train.loop import Trainer, resumed_config
 
+    # resuming from the run directory's saved config.yaml: a saved MoE kernel of another device is re-resolved
+    cfg = resumed_config(cfg, args.config, args.overrides)
     trainer = Trainer(cfg)
     try:
         out = trainer.run(stop_after=args.stop_after)

@@ -31,7 +31,7 @@ from c2jax.config import save
 from c2jax.mesh import activation_rules, batch_spec
 from c2jax.models.config import ConfigError, ModelConfig
 from c2jax.models.flops import training_flops_per_token
-from c2jax.models.moe_dispatch import resolve_moe_kernel
+from c2jax.models.moe_dispatch import resolve_loaded_moe_kernel, resolve_moe_kernel
 from c2jax.models.transformer import Transformer, init
 from c2jax.train.checkpoint import Checkpointer
 from c2jax.train.config import PhaseConfig, PretrainConfig
@@ -162,6 +162,33 @@ def load_hf_for_pretraining(path: str | Path, run_model: ModelConfig, seed: int)
         nnx.replace_by_pure_dict(state, pure)
         model = nnx.merge(graphdef, state)
     return model
+
+
+# overrides that name the model's grouped kernel themselves (the user's choice, kept on resume)
+_KERNEL_OVERRIDES = ("model", "model.moe_kernel")
+
+
+def resumed_config(cfg: PretrainConfig, source, overrides=()) -> PretrainConfig:
+    """`cfg`, loaded from `source` with `overrides` (c2jax.config.load), ready to run on this device. Where `source`
+    is the config.yaml a run saved in its own run directory (cfg.run_dir: resuming that run) and no override names
+    model.moe_kernel, the saved kernel is the record of the device the run last ran on (a moe_impl="grouped" run
+    written on an H100 names mosaic_sm90): one not native here is replaced by what the registry picks here
+    (models.moe_dispatch.resolve_loaded_moe_kernel, one printed line naming both), so a CPU resume neither runs
+    Pallas' Mosaic GPU interpreter (seconds a GEMM) nor stops at its refusal of the model's shapes. A kernel the
+    user names (an override, or their own YAML: any source but the run directory's saved config) is kept, as is a
+    saved kernel native here. Call it after distributed.initialize (it asks JAX for the device); `c2jax pretrain`
+    does."""
+    if not isinstance(source, (str, Path)) or not Path(source).is_file():
+        return cfg
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file() or not Path(source).samefile(saved):
+        return cfg
+    for override in overrides:
+        key = override[0] if isinstance(override, tuple) else override.partition("=")[0]
+        if key.strip() in _KERNEL_OVERRIDES:
+            return cfg
+    model = resolve_loaded_moe_kernel(cfg.model, f"resuming {cfg.run_dir}")
+    return cfg if model is cfg.model else dataclasses.replace(cfg, model=model)
 
 
 class Trainer:
