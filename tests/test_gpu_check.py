@@ -235,6 +235,9 @@ def test_lower_only_lowers_every_device_program_for_cuda(tmp_path):
     assert "all_gather" in rows["attention/context_parallel/cp8(medium)"]["collectives"]
     assert {"all_gather", "reduce_scatter"} <= set(rows["train_step/medium/mxfp8 fsdp2 x expert4"]["collectives"])
     assert rows["train_step/medium/moe grouped mxfp8 (H100: pallas_triton)"]["missing"] == []  # both MX kernels
+    # the default moe_impl="auto" as on an H100: the Mosaic GPU grouped GEMM inside each EP rank's shard_map
+    ep = rows["train_step/medium/auto fsdp2 x expert4 (H100: grouped mosaic_sm90)"]
+    assert "mosaic_gpu_v2" in ep["custom_calls"] and {"all_gather", "reduce_scatter"} <= set(ep["collectives"])
     # the raw Triton kernels to PTX: skipped, saying why, where triton is not installed (not a project dependency)
     ptx = report["triton_ptx"]
     assert ("triton is not installed" in ptx["skipped"]) if "skipped" in ptx else all(r["ok"] for r in ptx["kernels"])
@@ -276,6 +279,10 @@ def test_a_silent_fallback_or_an_unlowerable_kernel_fails_the_lowering_check(mon
     monkeypatch.setenv("C2JAX_KERNEL_IMPL", "grouped_matmul_mx=xla")
     mx = lowering.lower_one(by_name["train_step/medium/moe grouped mxfp8 (H100: pallas_triton)"])
     assert not mx.ok and mx.missing == [lowering.MX_GEMM_MARKER] and mx.error is None
+    # the weight gradient falling back to the capacity einsum: the wgrad kernel's name is missing from the backward
+    monkeypatch.setenv("C2JAX_KERNEL_IMPL", "grouped_wgrad=xla")
+    wgrad = lowering.lower_one(by_name["train_step/medium/moe grouped (B200: pallas_triton)"])
+    assert not wgrad.ok and wgrad.missing == [lowering.WGRAD_MARKER] and wgrad.error is None
     monkeypatch.delenv("C2JAX_KERNEL_IMPL")
 
     def amax_with_any(xb, axis=-1):
