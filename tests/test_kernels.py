@@ -269,6 +269,18 @@ def test_grouped_wgrad_is_each_groups_rows_transposed_times_dout(impl, sizes):
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * max(np.abs(want).max(), 1.0))
 
 
+def test_grouped_wgrad_pallas_refuses_mixed_dtypes_so_the_registry_falls_through():
+    from c2jax.kernels.grouped_wgrad import OP, grouped_wgrad
+
+    call = ((jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((64, 16), jnp.float32),
+             jax.ShapeDtypeStruct((4,), jnp.int32)), {})
+    with pytest.raises(NotImplementedError, match="one dtype"):
+        dispatch.choose(OP, call, impl="pallas_triton")
+    assert dispatch.choose(OP, call) == "xla"
+    out = grouped_wgrad(jnp.ones((8, 4), jnp.bfloat16), jnp.ones((8, 2)), jnp.asarray([3, 5]))
+    assert out.shape == (2, 4, 2) and out[1, 0, 0] == 5
+
+
 def test_grouped_path_weight_gradient_runs_the_registrys_wgrad_not_the_ragged_contraction():
     """drhs of the bf16 grouped path and wgrad of the quantized one go through kernels/grouped_wgrad (no
     ragged_dot_general, which XLA:CPU/GPU lower to a G x dense masked dot, is left in the backward's jaxpr)."""
