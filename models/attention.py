@@ -13,8 +13,9 @@ k_r = RoPE(W_kva x)[kv_lora_rank:]         one RoPE key shared by all heads
 score = (q_nope.k_nope + RoPE(q_rope).k_r) * softmax_scale
 
 GQA:
-q = RoPE(norm_q(W_q x)) [H heads], k = RoPE(norm_k(W_k x)), v = W_v x [num_key_value_heads heads each], with the
-optional per-head RMSNorms of Qwen3; query head h reads K/V head h // (H / num_key_value_heads).
+q = RoPE(norm_q(W_q x + b_q)) [H heads], k = RoPE(norm_k(W_k x + b_k)), v = W_v x + b_v [num_key_value_heads heads
+each], with the optional per-head RMSNorms of Qwen3 and the biases of `attention_bias` (also on the output
+projection: out = W_o o + b_o; zero-initialised); query head h reads K/V head h // (H / num_key_value_heads).
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ class _SelfAttention(nnx.Module):
         # the platform's backend (models/attention_backends.py; $C2JAX_ATTENTION overrides): on CPU the dense
         # path up to 512 x 512 scores, exact blockwise attention (memory O(S)) beyond
         out = attention(q, k, v, scale=cfg.softmax_scale, segment_ids=mask.segment_ids)
-        return jnp.einsum("bshv,hvd->bsd", out, self.o_proj[...].astype(x.dtype))
+        return self.project_out(out, x.dtype)
+
+    def project_out(self, out, dtype):
+        """The output projection of the per-head attention output [B, S, H, v] -> [B, S, d] (with its bias
+        under `attention_bias`): the trainer, the context-parallel path and the sampler all go through it."""
+        y = jnp.einsum("bshv,hvd->bsd", out, self.o_proj[...].astype(dtype))
+        bias = getattr(self, "o_proj_bias", None)
+        return y if bias is None else y + bias[...].astype(dtype)
 
     def _context_parallel(self, x, cos, sin, cp_mask: ContextParallelMask):
         """Attention under context parallelism (Composer 2 sec. 6), exact.
@@ -96,7 +104,7 @@ class _SelfAttention(nnx.Module):
                                  q_positions=q_index[rows], kv_positions=jnp.arange(num_keys, dtype=jnp.int32))
 
             out = jnp.concatenate([part(slice(0, chunk), cp * chunk), part(slice(chunk, 2 * chunk), seq)], 1)
-            return jnp.einsum("bshv,hvd->bsd", out, attn.o_proj[...].astype(x.dtype))
+            return attn.project_out(out, x.dtype)
 
         tokens = P(tok_batch, cp_axis, None)
         fn = jax.shard_map(local, mesh=mesh, check_vma=False,
@@ -176,22 +184,33 @@ class GQAttention(_SelfAttention):
         self.k_proj = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), cfg=cfg, stack=stack)
         self.v_proj = param(rngs, (d, kv, dh), ("embed", "kv_heads", "head_dim"), cfg=cfg, stack=stack)
         self.o_proj = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), cfg=cfg, stack=stack)
+        if cfg.attention_bias:  # HF's nn.Linear biases, flattened there ([H * head_dim]); zero at init
+            bias = lambda shape, axes: param(rngs, shape, axes, cfg=cfg, stack=stack, init="zeros")  # noqa: E731
+            self.q_proj_bias = bias((h, dh), ("heads", "head_dim"))
+            self.k_proj_bias = bias((kv, dh), ("kv_heads", "head_dim"))
+            self.v_proj_bias = bias((kv, dh), ("kv_heads", "head_dim"))
+            self.o_proj_bias = bias((d,), ("embed",))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(dh, cfg, rngs, stack)
             self.k_norm = RMSNorm(dh, cfg, rngs, stack)
 
-    def _project(self, x, w, norm):
-        y = jnp.einsum("bsd,dhk->bshk", x, w[...].astype(x.dtype))
-        return norm(y) if self.cfg.qk_norm else y
+    def _project(self, x, name, norm=None):
+        """x [B, S, d] through projection `name` (q_proj, k_proj, v_proj), its bias, then the per-head norm."""
+        y = jnp.einsum("bsd,dhk->bshk", x, getattr(self, name)[...].astype(x.dtype))
+        bias = getattr(self, name + "_bias", None)
+        if bias is not None:
+            y = y + bias[...].astype(x.dtype)
+        return norm(y) if norm is not None else y
 
     def roped_queries(self, x, cos, sin):
-        q = self._project(x, self.q_proj, getattr(self, "q_norm", None))
+        q = self._project(x, "q_proj", getattr(self, "q_norm", None))
         return apply_rope(q, cos, sin, self.cfg.rope_interleave)
 
     def kv_entry(self, x, cos, sin):
-        """RoPE'd keys and values [B, S, num_key_value_heads, head_dim]: what the KV cache holds."""
-        k = self._project(x, self.k_proj, getattr(self, "k_norm", None))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...].astype(x.dtype))
+        """RoPE'd keys and values [B, S, num_key_value_heads, head_dim]: what the KV cache holds (biases
+        included, so the sampler's cache needs nothing of its own)."""
+        k = self._project(x, "k_proj", getattr(self, "k_norm", None))
+        v = self._project(x, "v_proj")
         return apply_rope(k, cos, sin, self.cfg.rope_interleave), v
 
     def kv_expand(self, k, v):

@@ -123,6 +123,10 @@ class ModelConfig:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     qk_norm: bool = False
+    # biased projections (HF names): attention_bias on q/k/v/o_proj (GQA only), mlp_bias on the dense SwiGLU
+    # MLP's gate/up/down_proj (Llama's LlamaMLP; routed and shared experts stay bias-free)
+    attention_bias: bool = False
+    mlp_bias: bool = False
     # MLA
     q_lora_rank: int | None = None  # None: direct q projection
     kv_lora_rank: int = 32
@@ -248,6 +252,11 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        for name in ("attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.attention_bias and self.attention_type == "mla":
+            raise ConfigError("attention_bias: biased projections are supported for GQA attention only, not MLA")
         if self.attention_type == "gqa":
             if self.num_attention_heads % self.kv_heads:
                 raise ConfigError(f"num_key_value_heads ({self.kv_heads}) must divide num_attention_heads "

@@ -69,17 +69,28 @@ def dense(x: jnp.ndarray, w: jnp.ndarray, preferred_element_type=None) -> jnp.nd
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up)) (Shazeer 2020)."""
+    """SwiGLU: down(silu(x W_gate) * (x W_up)) (Shazeer 2020); with `bias` (the dense layers under
+    ModelConfig.mlp_bias, Llama's LlamaMLP) each projection adds its bias (zero-initialised): gate_proj_bias,
+    up_proj_bias [width], down_proj_bias [d]. Shared experts are built without."""
 
-    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, stack: int | None = None, bias: bool = False):
         d = cfg.hidden_size
         self.gate_proj = param(rngs, (d, width), ("embed", "mlp"), cfg=cfg, stack=stack)
         self.up_proj = param(rngs, (d, width), ("embed", "mlp"), cfg=cfg, stack=stack)
         self.down_proj = param(rngs, (width, d), ("mlp", "embed"), cfg=cfg, stack=stack)
+        self.bias = bias
+        if bias:
+            self.gate_proj_bias = param(rngs, (width,), ("mlp",), cfg=cfg, stack=stack, init="zeros")
+            self.up_proj_bias = param(rngs, (width,), ("mlp",), cfg=cfg, stack=stack, init="zeros")
+            self.down_proj_bias = param(rngs, (d,), ("embed",), cfg=cfg, stack=stack, init="zeros")
 
     def __call__(self, x):
         w = [p[...].astype(x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
-        return swiglu(x.reshape(-1, x.shape[-1]), *w).reshape(x.shape)
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.bias:
+            return swiglu(flat, *w).reshape(x.shape)
+        b = [p[...].astype(x.dtype) for p in (self.gate_proj_bias, self.up_proj_bias, self.down_proj_bias)]
+        return swiglu_bias(flat, *w, *b).reshape(x.shape)
 
 
 def _transposed(w):
@@ -125,6 +136,31 @@ def _swiglu_bwd(res, dy):
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@jax.custom_vjp
+def swiglu_bias(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    """down(silu(x W_gate + b_gate) * (x W_up + b_up)) + b_down for 2-D x: `swiglu` with biases, the same
+    hand-written backward plus the biases' cotangents (sums over the tokens)."""
+    return _swiglu_bias_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down)[0]
+
+
+def _swiglu_bias_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    gate, up = x @ w_gate + b_gate, x @ w_up + b_up
+    return (jax.nn.silu(gate) * up) @ w_down + b_down, (x, w_gate, w_up, w_down, gate, up)
+
+
+def _swiglu_bias_bwd(res, dy):
+    x, w_gate, w_up, w_down, gate, up = res
+    act = jax.nn.silu(gate) * up
+    dact, dw_down = matmul_grads(act, w_down, dy)
+    _, dgate, dup = swiglu_act_grads(gate, up, dact)
+    x_t = _transposed(x)
+    dx = dgate @ _transposed(w_gate) + dup @ _transposed(w_up)
+    return dx, x_t @ dgate, x_t @ dup, dw_down, dgate.sum(0), dup.sum(0), dy.sum(0)
+
+
+swiglu_bias.defvjp(_swiglu_bias_fwd, _swiglu_bias_bwd)
 
 
 @jax.custom_vjp

@@ -50,7 +50,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs, stack)
         self.self_attn = make_attention(cfg, rngs, stack)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs, stack)
-        self.mlp = MoE(cfg, rngs, stack) if moe else MLP(cfg, cfg.intermediate_size, rngs, stack)
+        self.mlp = MoE(cfg, rngs, stack) if moe else MLP(cfg, cfg.intermediate_size, rngs, stack, bias=cfg.mlp_bias)
 
     def __call__(self, x, cos, sin, mask, replay_ids=None):
         h = x + checkpoint_name(self.self_attn(self.input_layernorm(x), cos, sin, mask), "attn_out")

@@ -7,12 +7,16 @@ Spec, in short:
   * logits within 1e-4 relative L2 of transformers' for every case: GQA with 1, 2 or all K/V heads, head_dim not
     tied to hidden / heads, Qwen3's q/k norms, rope theta 1e6, Llama-3, linear and YaRN scaling, tied embeddings;
     Qwen3-MoE softmax routing with and without norm_topk_prob and a dense first layer (mlp_only_layers); DeepSeek-V2's
-    softmax greedy and group-limited greedy routing with routed scaling and no renormalisation;
+    softmax greedy and group-limited greedy routing with routed scaling and no renormalisation; biased projections
+    (`attention_bias` on q/k/v/o_proj: Llama, Qwen3, Qwen3-MoE; Llama's `mlp_bias`), with random nonzero biases;
+  * c2jax's parameter count (`c2jax info`) equals transformers' for every case, biases included;
+  * biased models: the sampler's greedy decode over its KV cache equals the uncached forward's;
   * the first MoE layer's top-k experts equal transformers' as sets per token, and routing is not trivial;
   * c2jax save_pretrained -> transformers: the same architecture class, no missing / unexpected keys, the same
     logits; c2jax reload bit-exact and the same ModelConfig;
   * a config.json of an unsupported model_type is refused with the supported list; layouts c2jax cannot express
-    (dense layers after MoE layers, sliding windows) are refused naming the field.
+    (dense layers after MoE layers, sliding windows, biases a family's class does not have) are refused naming the
+    field.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,6 +72,9 @@ CASES = {
         num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "llama_linear_rope": ("LlamaConfig", "LlamaForCausalLM", _LLAMA | dict(
         num_key_value_heads=1, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+    "llama_biased": ("LlamaConfig", "LlamaForCausalLM", _LLAMA | dict(attention_bias=True, mlp_bias=True)),
+    "qwen3_dense_biased": ("Qwen3Config", "Qwen3ForCausalLM", _QWEN3 | dict(attention_bias=True)),
+    "qwen3_moe_biased": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _QWEN3_MOE | dict(attention_bias=True)),
     "deepseek_v2_lite_shaped": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _V2),
     "deepseek_v2_group_limited_yarn": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _V2 | dict(
         q_lora_rank=12, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
@@ -100,7 +108,12 @@ def _hf_model(name: str):
         for key, p in model.named_parameters():
             if key.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif key.endswith(".bias"):  # transformers zero-initialises biases: a dropped one would not show
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     return model
+
+
+_BIASED = [name for name, (_, _, kwargs) in CASES.items() if kwargs.get("attention_bias") or kwargs.get("mlp_bias")]
 
 
 def _first_moe_gate(model):
@@ -182,9 +195,40 @@ def test_config_reads_the_family(case: Case):
         assert cfg.attention_type == "gqa" and cfg.kv_heads == hc.num_key_value_heads
         assert cfg.gqa_head_dim == (getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads)
         assert cfg.qk_norm == hc.model_type.startswith("qwen3")
+        assert cfg.attention_bias == hc.attention_bias and cfg.mlp_bias == getattr(hc, "mlp_bias", False)
     if hc.model_type == "qwen3_moe":
         assert cfg.first_k_dense_replace == len(hc.mlp_only_layers or [])
         assert cfg.n_shared_experts == 0 and cfg.norm_topk_prob == hc.norm_topk_prob
+
+
+def test_counts_equal_transformers(case: Case):
+    """c2jax's abstract parameter count (`c2jax info`; biases included) equals transformers' count of the same
+    model (tied weights once)."""
+    from c2jax.models.flops import param_counts
+
+    assert param_counts(case.ours.cfg).total == sum(p.numel() for p in case.hf.parameters())
+
+
+@pytest.mark.parametrize("name", _BIASED)
+def test_biased_models_decode_greedily_from_the_cache_as_the_uncached_forward(cases, name):
+    """The sampler (prefill + chunked decode over its K/V cache, which holds the biased k and v) on a biased model
+    with transformers' random biases: greedy tokens equal the argmax of the uncached full forward at every step, and
+    the raw logprobs equal its log-softmax."""
+    from c2jax.models.inference import EngineConfig, InferenceEngine, Request
+
+    case = cases(name)
+    graphdef, state = nnx.split(case.ours)
+    prompts = [case.ids[0, :5].tolist(), case.ids[1, :3].tolist()]
+    reqs = [Request(p, 10, temperature=0.0) for p in prompts]
+    engine = InferenceEngine(case.ours.cfg, graphdef, state, config=EngineConfig(slots=2, max_len=32, chunk_steps=4))
+    for req, res in zip(reqs, engine.generate(reqs), strict=True):
+        seq = list(req.prompt_ids) + res.token_ids
+        logits = np.asarray(_jit_call(case.ours, jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32)).logits[0])
+        logits = logits[len(req.prompt_ids) - 1: len(seq) - 1]
+        assert res.token_ids == logits.argmax(-1).tolist()
+        logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+        want = np.take_along_axis(logp, np.asarray(res.token_ids)[:, None], -1)[:, 0]
+        np.testing.assert_allclose(res.raw_logprobs, want, atol=1e-5)
 
 
 def test_save_pretrained_reads_back_as_the_same_transformers_class(case: Case, tmp_path):
@@ -216,16 +260,32 @@ def test_unsupported_family_is_refused_with_the_supported_list():
     (dict(mlp_only_layers=[1]), "mlp_only_layers"),  # a dense layer after a MoE layer
     (dict(decoder_sparse_step=2), "decoder_sparse_step"),  # MoE on every other layer
     (dict(use_sliding_window=True), "use_sliding_window"),
-    (dict(attention_bias=True), "attention_bias"),
 ])
 def test_inexpressible_qwen3_moe_layouts_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         config_from_hf({"model_type": "qwen3_moe", **_QWEN3_MOE, **changes})
 
 
-def test_llama_biases_are_refused():
+def test_biases_a_family_does_not_have_are_refused_or_ignored_as_transformers_does():
+    """MLA takes no attention_bias (DeepSeek's loader and ModelConfig refuse it); Qwen3's MLPs have no bias, so
+    `mlp_bias` there is ignored with a warning on load (as transformers ignores it) and refused on export; a non-bool
+    flag is a ConfigError."""
+    from c2jax.models.config import ModelConfig, preset
+    from c2jax.models.hf import config_to_hf
+
+    with pytest.raises(ConfigError, match="attention_bias"):
+        config_from_hf({"model_type": "deepseek_v2", **_V2, "attention_bias": True})
+    with pytest.raises(ConfigError, match="attention_bias"):
+        ModelConfig(attention_type="mla", attention_bias=True)
     with pytest.raises(ConfigError, match="mlp_bias"):
-        config_from_hf({"model_type": "llama", **_LLAMA, "mlp_bias": True})
+        ModelConfig(mlp_bias=1)
+    with pytest.warns(UserWarning, match="mlp_bias"):
+        cfg = config_from_hf({"model_type": "qwen3", **_QWEN3, "mlp_bias": True})
+    assert not cfg.mlp_bias
+    for name in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v2"):
+        with pytest.raises(ConfigError, match="mlp_bias"):
+            config_to_hf(preset(name).replace(mlp_bias=True))
+    assert config_to_hf(preset("tiny-llama").replace(attention_bias=True, mlp_bias=True))["mlp_bias"] is True
 
 
 # every full-size preset and the small presets of each family

@@ -6,7 +6,9 @@ On-disk layout (what `save_pretrained` writes; what DeepSeek-V3, Kimi-K2 and tra
   model.layers.{l}.input_layernorm.weight / post_attention_layernorm.weight
   model.layers.{l}.self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}, kv_a_proj_with_mqa,
       kv_a_layernorm, kv_b_proj, o_proj          torch Linear weights are [out, in]
+      {q,k,v,o}_proj.bias [out] under attention_bias (GQA; our {q,k,v,o}_proj_bias, [heads, head_dim] / [d])
   model.layers.{l}.mlp.{gate,up,down}_proj.weight                       l < first_k_dense_replace
+      and .bias [out] under mlp_bias (our mlp.{gate,up,down}_proj_bias)
   model.layers.{l}.mlp.gate.weight [E, d], mlp.gate.e_score_correction_bias [E] (float32)
   model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight           per-expert (DeepSeek layout)
   model.layers.{l}.mlp.shared_experts.{gate,up,down}_proj.weight
@@ -36,6 +38,8 @@ def _layer_entry(rel: tuple[str, ...], moe: bool) -> tuple[str, Any]:
         return "mlp.gate.e_score_correction_bias", "copy"
     if rel[-1] == "weight":  # RMSNorm scales
         return name, "copy"
+    if rel[-1].endswith("_proj_bias"):  # attention_bias / mlp_bias: torch Linear biases, flat [out]
+        return name[: -len("_bias")] + ".bias", ("bias",)
     return name + ".weight", ("linear", 2 if rel[-1] == "o_proj" else 1)
 
 
@@ -84,6 +88,8 @@ def load_slice(
     elif kind[0] == "linear":
         n_in, n_out = _linear_split(out.shape, kind[1])
         out[...] = ckpt.read(key, (n_out, n_in)).T.reshape(out.shape)
+    elif kind == ("bias",):
+        out[...] = ckpt.read(key, (out.size,)).reshape(out.shape)
     elif kind in ("experts_gate_up", "experts_down"):
         num_experts, rows, cols = out.shape  # gate_up: [E, d, 2f]; down: [E, f, d]
         fused = f"{key}.{'gate_up_proj' if kind == 'experts_gate_up' else 'down_proj'}"
@@ -109,6 +115,8 @@ def save_slice(prefix: str, rel: str, kind: Any, value: np.ndarray) -> Iterator[
     elif kind[0] == "linear":
         n_in, n_out = _linear_split(value.shape, kind[1])
         yield key, value.reshape(n_in, n_out).T
+    elif kind == ("bias",):
+        yield key, value.reshape(-1)
     elif kind == "experts_gate_up":
         f = value.shape[2] // 2
         for e in range(value.shape[0]):

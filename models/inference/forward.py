@@ -165,7 +165,7 @@ def _attend_gqa(cfg: ModelConfig, attn, x, cos, sin, cache: KVCache, slot_idx, p
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # the registry's [b, K, Hkv, D]
         out = attention(q, k, v, scale=cfg.softmax_scale, q_positions=positions, kv_positions=jnp.arange(key_len),
                         causal=True)
-    return jnp.einsum("bthv,hvd->btd", out, attn.o_proj[...].astype(x.dtype)), cache
+    return attn.project_out(out, x.dtype), cache
 
 
 def _attend(cfg: ModelConfig, attn, x, cos, sin, cache, slot_idx, positions, key_len: int, absorbed: bool):
@@ -205,7 +205,7 @@ def _attend(cfg: ModelConfig, attn, x, cos, sin, cache, slot_idx, positions, key
         # Key j is cache position j, visible to a query at position p iff j <= p (later entries are stale)
         out = attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, scale=cfg.softmax_scale,
                         q_positions=positions, kv_positions=jnp.arange(key_len), causal=True)
-    return jnp.einsum("bthv,hvd->btd", out, attn.o_proj[...].astype(x.dtype)), cache
+    return attn.project_out(out, x.dtype), cache
 
 
 def moe_ffn(cfg: ModelConfig, mlp, x):

@@ -30,14 +30,14 @@ ROPE_KEYS = frozenset({
 ROPE_FIELDS = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "original_max_position_embeddings"})
 
 
-def refuse_unsupported(text: Mapping[str, Any], prefix: str) -> None:
-    """ConfigError for what no c2jax family implements: activations other than SiLU, biased projections,
-    dropout."""
+def refuse_unsupported(text: Mapping[str, Any], prefix: str, biases: Iterable[str] = ()) -> None:
+    """ConfigError for what no c2jax family implements: activations other than SiLU, biased projections
+    (`attention_bias`, `mlp_bias`) other than the family's `biases`, dropout."""
     if text.get("hidden_act", "silu") not in (None, "silu"):
         raise ConfigError(f"{prefix}hidden_act: only 'silu' is supported, got {text['hidden_act']!r}")
     for name in ("attention_bias", "mlp_bias"):
-        if text.get(name):
-            raise ConfigError(f"{prefix}{name}: biased projections are not supported")
+        if text.get(name) and name not in biases:
+            raise ConfigError(f"{prefix}{name}: biased projections are not supported for this family")
     if text.get("attention_dropout"):
         raise ConfigError(f"{prefix}attention_dropout: only 0.0 is supported, got {text['attention_dropout']}")
 
@@ -157,10 +157,13 @@ GQA_FIELDS = {
 }
 
 
-def gqa_fields(text: Mapping[str, Any], prefix: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+def gqa_fields(text: Mapping[str, Any], prefix: str, defaults: Mapping[str, Any],
+               biases: Iterable[str] = ("attention_bias",)) -> dict[str, Any]:
     """ModelConfig fields of a GQA decoder (Llama, Qwen3, Qwen3-MoE) from its config.json, absent keys meaning
-    transformers' `defaults`; every layer dense until the caller says otherwise."""
-    refuse_unsupported(text, prefix)
+    transformers' `defaults`; every layer dense until the caller says otherwise. `biases`: the bias flags the
+    family's transformers class reads (all GQA families: attention_bias on q/k/v/o_proj; Llama also mlp_bias),
+    mapped to the ModelConfig fields of the same names."""
+    refuse_unsupported(text, prefix, biases)
     if text.get("use_sliding_window"):
         raise ConfigError(f"{prefix}use_sliding_window: sliding-window attention is not supported")
     layer_types = text.get("layer_types")
@@ -178,6 +181,8 @@ def gqa_fields(text: Mapping[str, Any], prefix: str, defaults: Mapping[str, Any]
     for name in ("rms_norm_eps", "initializer_range"):
         fields[name] = float(fields[name])
     fields["tie_word_embeddings"] = bool(fields["tie_word_embeddings"])
+    for name in biases:
+        fields[name] = bool(text.get(name) or False)
     fields["rope_theta"], fields["rope_scaling"] = rope_from_hf(text, prefix, fields["max_position_embeddings"])
     return fields | {"attention_type": "gqa", "rope_interleave": False, "num_nextn_predict_layers": 0,
                      "first_k_dense_replace": fields["num_hidden_layers"], "n_shared_experts": 0}
@@ -196,6 +201,6 @@ def gqa_to_hf(cfg: ModelConfig, model_type: str, architecture: str, saved_dtype:
     out = {"architectures": [architecture], "model_type": model_type,
            **{theirs: getattr(cfg, ours) for theirs, ours in GQA_FIELDS.items()},
            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.gqa_head_dim,
-           "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, **rope_to_hf(cfg),
+           "hidden_act": "silu", "attention_bias": cfg.attention_bias, "attention_dropout": 0.0, **rope_to_hf(cfg),
            "dtype": saved_dtype, "torch_dtype": saved_dtype}
     return out

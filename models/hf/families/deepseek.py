@@ -155,6 +155,8 @@ def config_to_hf(cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
     """A config.json dict of cfg.hf_model_type that transformers (DeepseekV3ForCausalLM / DeepseekV2ForCausalLM)
     and DeepSeek-format consumers read back to the same model."""
     v2 = cfg.hf_model_type == "deepseek_v2"
+    if cfg.mlp_bias:
+        raise ConfigError(f"{cfg.hf_model_type} has no MLP biases; this config has mlp_bias true (use llama)")
     saved = cfg.param_dtype if dtype is None else dtype_name(dtype)
     out = {
         "architectures": [ARCHITECTURES[cfg.hf_model_type]],

@@ -1,7 +1,7 @@
 """Llama (`llama`: Llama 2 / 3 / 3.1 / 3.2 and the many models that reuse LlamaForCausalLM): dense GQA, rotate-half
 RoPE with optional Llama-3 (or YaRN) frequency scaling, no q/k norms, SwiGLU MLP. Weight names: models/hf/keys.py's
-GQA attention keys and the dense `mlp.{gate,up,down}_proj`. Biased projections (`attention_bias`, `mlp_bias`)
-are refused."""
+GQA attention keys and the dense `mlp.{gate,up,down}_proj`. Biased projections: `attention_bias` (q/k/v/o_proj) and
+`mlp_bias` (gate/up/down_proj), as transformers' LlamaAttention / LlamaMLP."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ _CHECKED = frozenset({"hidden_act", "attention_bias", "attention_dropout", "mlp_
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    fields = gqa_fields(hf, "", _DEFAULTS) | {"qk_norm": False, "hf_model_type": "llama"}
+    fields = gqa_fields(hf, "", _DEFAULTS, biases=("attention_bias", "mlp_bias")) | {"qk_norm": False,
+                                                                                   "hf_model_type": "llama"}
     warn_unknown(hf, "", set(GQA_FIELDS) | _CHECKED)
     return build(fields, overrides)
 
@@ -32,4 +33,4 @@ def config_to_hf(cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
     if cfg.num_moe_layers:
         raise ConfigError(f"llama is dense; this config has {cfg.num_moe_layers} MoE layers")
     return gqa_to_hf(cfg, "llama", "LlamaForCausalLM", cfg.param_dtype if dtype is None else dtype_name(dtype)) \
-        | {"mlp_bias": False}
+        | {"mlp_bias": cfg.mlp_bias}

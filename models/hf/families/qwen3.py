@@ -6,11 +6,14 @@ experts or a selection bias. Weight names: models/hf/keys.py's GQA attention key
 
 Layer layout: layer i is MoE iff num_experts > 0, i is not in `mlp_only_layers` and (i + 1) is a multiple of
 `decoder_sparse_step`; c2jax stacks dense layers first, so the dense layers must be a prefix (ConfigError
-otherwise). Sliding-window attention (`use_sliding_window`) is refused.
+otherwise). Sliding-window attention (`use_sliding_window`) is refused. `attention_bias` puts biases on q/k/v/o_proj
+(before the q/k norms), as transformers' Qwen3Attention / Qwen3MoeAttention; their MLPs and experts have no bias
+(`mlp_bias` is not a Qwen3 field: transformers ignores it, and so does c2jax, with a warning).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +49,10 @@ _CHECKED = frozenset({"hidden_act", "attention_bias", "attention_dropout", "use_
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     moe = hf.get("model_type") == "qwen3_moe"
     defaults = _MOE_DEFAULTS if moe else _QWEN3_DEFAULTS
+    if hf.get("mlp_bias"):
+        warnings.warn(f"mlp_bias: {hf.get('model_type')} has no MLP biases (transformers ignores the field); "
+                      "ignored", stacklevel=2)
+        hf = {k: v for k, v in hf.items() if k != "mlp_bias"}
     fields = gqa_fields(hf, "", defaults) | {"qk_norm": True, "hf_model_type": hf.get("model_type")}
     if moe:
         get = lambda name: defaults[name] if hf.get(name) is None else hf[name]  # noqa: E731
@@ -71,6 +78,8 @@ def config_to_hf(cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
     model_type = cfg.hf_model_type
     if not cfg.qk_norm:
         raise ConfigError(f"{model_type} normalises q and k per head; this config has qk_norm false")
+    if cfg.mlp_bias:
+        raise ConfigError(f"{model_type} has no MLP biases; this config has mlp_bias true (use llama)")
     out = gqa_to_hf(cfg, model_type, ARCHITECTURES[model_type], saved)
     if model_type == "qwen3":
         if cfg.num_moe_layers:
