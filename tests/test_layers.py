@@ -14,6 +14,7 @@ from c2jax.models.layers import (
     loss_chunk_tokens,
     softmax_cross_entropy,
     swiglu,
+    swiglu_bias,
 )
 from c2jax.models.transformer import init
 
@@ -100,6 +101,13 @@ def test_swiglu_matches_autodiff():
         return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
 
     assert_same_value_and_grads(swiglu, reference, (x, wg, wu, wd), (0, 1, 2, 3))
+    # mlp_bias (Llama): the same backward plus the biases' cotangents
+    bg, bu, bd = normal(4, (24,)), normal(5, (24,)), normal(6, (16,))
+
+    def reference_bias(x, wg, wu, wd, bg, bu, bd):
+        return (jax.nn.silu(x @ wg + bg) * (x @ wu + bu)) @ wd + bd
+
+    assert_same_value_and_grads(swiglu_bias, reference_bias, (x, wg, wu, wd, bg, bu, bd), tuple(range(7)))
 
 
 @pytest.mark.parametrize("causal_block", [None, 4, 5])
