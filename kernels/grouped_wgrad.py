@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from c2jax.kernels import dispatch
-from c2jax.kernels.grouped_gemm import capacity_buckets
+from c2jax.kernels.grouped_gemm import _pad_row, capacity_buckets
+from c2jax.kernels.pallas_grouped import _pad_to
 
 OP = "grouped_wgrad"
 KERNEL_NAME = "grouped_wgrad"  # the Pallas kernel's name in its Triton call (how a lowering check finds it)
@@ -51,10 +52,6 @@ def grouped_wgrad_reference(lhs, dout, group_sizes, preferred_element_type=None)
     out = jax.lax.ragged_dot_general(lhs, dout, group_sizes.astype(jnp.int32), _RAGGED_CONTRACTION,
                                      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return out.astype(preferred_element_type or lhs.dtype)
-
-
-def _pad_row(a):
-    return jnp.concatenate([a, jnp.zeros((1, a.shape[1]), a.dtype)])
 
 
 def grouped_wgrad_xla(lhs, dout, group_sizes, capacity_factors=(1.25, 2.0), preferred_element_type=None):
@@ -92,15 +89,6 @@ def _kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m, block_k, block_
     tiles = (end - start + block_m - 1) // block_m
     acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((block_k, block_n), jnp.float32))
     pltr.store(out_ref.at[g, pl.ds(a * block_k, block_k), pl.ds(b * block_n, block_n)], acc.astype(out_ref.dtype))
-
-
-def _pad_to(a, axis, multiple):
-    extra = -a.shape[axis] % multiple
-    if not extra:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(a, widths)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "block_n", "interpret", "out_dtype",

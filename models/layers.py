@@ -125,14 +125,20 @@ def swiglu_act_grads(gate, up, dact):
     return silu * up, dact * up * sig * (1 + gate * (1 - sig)), dact * silu
 
 
-def _swiglu_bwd(res, dy):
+def _swiglu_grads(res, dy):
+    """((dx, dw_gate, dw_up, dw_down), dgate, dup): the backward of `swiglu` and of `swiglu_bias` (whose bias
+    cotangents are dgate, dup and dy summed over the tokens)."""
     x, w_gate, w_up, w_down, gate, up = res
     act = jax.nn.silu(gate) * up
     dact, dw_down = matmul_grads(act, w_down, dy)
     _, dgate, dup = swiglu_act_grads(gate, up, dact)
     x_t = _transposed(x)
     dx = dgate @ _transposed(w_gate) + dup @ _transposed(w_up)
-    return dx, x_t @ dgate, x_t @ dup, dw_down
+    return (dx, x_t @ dgate, x_t @ dup, dw_down), dgate, dup
+
+
+def _swiglu_bwd(res, dy):
+    return _swiglu_grads(res, dy)[0]
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -151,13 +157,8 @@ def _swiglu_bias_fwd(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
 
 
 def _swiglu_bias_bwd(res, dy):
-    x, w_gate, w_up, w_down, gate, up = res
-    act = jax.nn.silu(gate) * up
-    dact, dw_down = matmul_grads(act, w_down, dy)
-    _, dgate, dup = swiglu_act_grads(gate, up, dact)
-    x_t = _transposed(x)
-    dx = dgate @ _transposed(w_gate) + dup @ _transposed(w_up)
-    return dx, x_t @ dgate, x_t @ dup, dw_down, dgate.sum(0), dup.sum(0), dy.sum(0)
+    grads, dgate, dup = _swiglu_grads(res, dy)
+    return (*grads, dgate.sum(0), dup.sum(0), dy.sum(0))
 
 
 swiglu_bias.defvjp(_swiglu_bias_fwd, _swiglu_bias_bwd)

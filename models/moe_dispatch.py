@@ -134,7 +134,7 @@ def _auto_path(cfg: ModelConfig, platform: str, kind: str, override: str | None)
     if cfg.moe_kernel is not None:  # naming a grouped kernel chooses the grouped path
         return "grouped"
     try:
-        kernel = resolve_moe_kernel(cfg.replace(moe_impl="grouped", moe_kernel=cfg.moe_kernel)).moe_kernel
+        kernel = resolve_moe_kernel(cfg.replace(moe_impl="grouped")).moe_kernel
     except ConfigError:  # no grouped kernel accepts this model's GEMMs here
         return "sorted"
     return "sorted" if kernel == "xla" else "grouped"
